@@ -1,0 +1,212 @@
+"""The agent loop (**API**: `orchestrator.Agent`).
+
+model call → turn on the runtime (`Orchestrator.run_calls`) → next request rebuilt from the log,
+until the model answers without tool calls or the step limit is reached. Every step is written to
+the session's event log first, so a crashed conversation resumes from the log alone.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from worker.models import ToolCall, ToolResult
+from worker.registry import Provider, Registry
+
+from orchestrator.eventlog import (
+    EventLog,
+    ModelFailed,
+    ModelRequest,
+    SessionRecorder,
+    SessionStarted,
+    ToolsDeclared,
+    declarations_from_registry,
+    open_event_log,
+    tools_digest,
+)
+from orchestrator.model_clients import ModelClient, ModelError, ModelReply, make_model_client
+from orchestrator.providers import get_adapter
+from orchestrator.request_builder import RequestBuilder, assistant_text, request_digest
+
+if TYPE_CHECKING:
+    from orchestrator.runtime import Orchestrator
+    from orchestrator.turn import TurnResult
+
+
+class AgentStep(BaseModel):
+    """One model call of a run and what its tool calls returned."""
+
+    step: int
+    turn_id: str
+    text: str
+    calls: list[ToolCall] = Field(default_factory=list)
+    results: list[ToolResult] = Field(default_factory=list)
+    late_results: list[ToolResult] = Field(default_factory=list)
+
+
+class AgentResult(BaseModel):
+    """How a run ended: the final text (empty when the step limit stopped it) and every step."""
+
+    session_id: str
+    text: str
+    stop_reason: Literal["final", "max_steps"]
+    steps: list[AgentStep]
+
+
+class Agent:
+    """Runs a conversation with a model whose tool calls execute on toolchord.
+
+    `orchestrator=None` builds an embedded Orchestrator from `registry` (closed by `close`).
+    `client` defaults to the official SDK for `provider` at `base_url`; model errors (rate limits,
+    5xx) are retried by the SDK (`max_retries`) and then raise `ModelError`.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        model: str,
+        provider: Provider = "chat",
+        orchestrator: Orchestrator | None = None,
+        client: ModelClient | None = None,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        event_log: EventLog | None = None,
+        system: str | None = None,
+        max_steps: int = 16,
+        stream: bool = False,
+        max_retries: int = 2,
+        request_options: dict[str, Any] | None = None,
+        on_step: Callable[[AgentStep], None] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.model = model
+        self.provider: Provider = provider
+        self._own_orchestrator = orchestrator is None
+        if orchestrator is None:
+            from orchestrator.runtime import Orchestrator
+
+            orchestrator = Orchestrator(registry)
+        self.orchestrator = orchestrator
+        self.client: ModelClient = client or make_model_client(provider, base_url=base_url, api_key=api_key,
+                                                               max_retries=max_retries)
+        self.log: EventLog = event_log if event_log is not None else open_event_log()
+        self.builder = RequestBuilder(self.log)
+        self.system = system
+        self.max_steps = max_steps
+        self.stream = stream
+        self.request_options = dict(request_options or {})
+        self.on_step = on_step
+
+    # -- one step, split around the two waits (model, runtime) so run and arun share it --------
+
+    def _begin(self, prompt: str, session_id: str | None) -> SessionRecorder:
+        session_id = session_id or uuid.uuid4().hex
+        recorder = SessionRecorder(self.log, session_id, self.registry)
+        events = self.log.read(session_id)
+        declared = declarations_from_registry(self.registry)
+        digest = tools_digest(declared)
+        if not any(isinstance(e, SessionStarted) for e in events):
+            recorder.append(SessionStarted(provider=self.provider, model=self.model, system=self.system,
+                                           request_options=self.request_options))
+        last_tools = next((e for e in reversed(events) if isinstance(e, ToolsDeclared)), None)
+        if last_tools is None or last_tools.digest != digest:
+            recorder.append(ToolsDeclared(tools=declared, digest=digest))
+        recorder.user_input(prompt)
+        return recorder
+
+    def _request(self, recorder: SessionRecorder, step: int) -> dict[str, Any]:
+        request = self.builder.build(recorder.session_id, self.provider, model=self.model)
+        tools = next((e for e in reversed(self.log.read(recorder.session_id)) if isinstance(e, ToolsDeclared)), None)
+        recorder.append(ModelRequest(provider=self.provider, model=self.model, step=step, stream=self.stream,
+                                     tools_digest=tools.digest if tools else "", request_digest=request_digest(request)))
+        return request
+
+    def _failed(self, recorder: SessionRecorder, exc: ModelError) -> None:
+        recorder.append(ModelFailed(provider=self.provider, model=self.model, error_type=type(exc.__cause__).__name__,
+                                    message=str(exc)))
+
+    def _record_output(self, recorder: SessionRecorder, reply: ModelReply) -> tuple[str, str, list[ToolCall]]:
+        adapter = get_adapter(self.provider)
+        calls = reply.calls if reply.calls is not None else adapter.parse_calls(reply.output)
+        calls = sorted(calls, key=lambda call: call.index)  # streams hand calls out as they complete
+        items = adapter.assistant_items(reply.output)
+        turn_id = uuid.uuid4().hex
+        recorder.model_output(self.provider, self.model, turn_id, reply.output, items, calls)
+        if calls:
+            recorder.dispatched(turn_id, [call.id for call in calls])
+        return turn_id, assistant_text(self.provider, items), calls
+
+    def _record_turn(self, recorder: SessionRecorder, step: int, turn_id: str, text: str, calls: list[ToolCall],
+                     turn: TurnResult | None) -> AgentStep:
+        results = turn.results if turn is not None else []
+        late = turn.late_results if turn is not None else []
+        for result in results:
+            recorder.result(turn_id, result)
+        for result in late:
+            recorder.result(turn_id, result, late=True)
+        done = AgentStep(step=step, turn_id=turn_id, text=text, calls=calls, results=results, late_results=late)
+        if self.on_step is not None:
+            self.on_step(done)
+        return done
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self, prompt: str, *, session_id: str | None = None) -> AgentResult:
+        """Run the conversation to a final answer (or `max_steps` model calls), blocking."""
+        recorder = self._begin(prompt, session_id)
+        steps: list[AgentStep] = []
+        for step in range(1, self.max_steps + 1):
+            request = self._request(recorder, step)
+            try:
+                reply = self.client.complete(request, stream=self.stream)
+            except ModelError as exc:
+                self._failed(recorder, exc)
+                raise
+            turn_id, text, calls = self._record_output(recorder, reply)
+            turn = (self.orchestrator.run_calls(recorder.session_id, calls, turn_id=turn_id, provider=self.provider)
+                    if calls else None)
+            steps.append(self._record_turn(recorder, step, turn_id, text, calls, turn))
+            if not calls:
+                return AgentResult(session_id=recorder.session_id, text=text, stop_reason="final", steps=steps)
+        return AgentResult(session_id=recorder.session_id, text="", stop_reason="max_steps", steps=steps)
+
+    async def arun(self, prompt: str, *, session_id: str | None = None) -> AgentResult:
+        """asyncio twin of `run`: the model call and the turn are awaited, not blocked on."""
+        recorder = self._begin(prompt, session_id)
+        steps: list[AgentStep] = []
+        for step in range(1, self.max_steps + 1):
+            request = self._request(recorder, step)
+            try:
+                reply = await self.client.acomplete(request, stream=self.stream)
+            except ModelError as exc:
+                self._failed(recorder, exc)
+                raise
+            turn_id, text, calls = self._record_output(recorder, reply)
+            turn = (await self.orchestrator.arun_calls(recorder.session_id, calls, turn_id=turn_id,
+                                                       provider=self.provider)
+                    if calls else None)
+            steps.append(self._record_turn(recorder, step, turn_id, text, calls, turn))
+            if not calls:
+                return AgentResult(session_id=recorder.session_id, text=text, stop_reason="final", steps=steps)
+        return AgentResult(session_id=recorder.session_id, text="", stop_reason="max_steps", steps=steps)
+
+    def close(self) -> None:
+        """Release the model client and, when the agent built it, the orchestrator."""
+        close = getattr(self.client, "close", None)
+        if callable(close):
+            close()
+        if self._own_orchestrator:
+            self.orchestrator.close()
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["Agent", "AgentResult", "AgentStep"]

@@ -1,0 +1,167 @@
+"""Calling the model with the official SDKs: `openai` (Chat Completions, Responses) and `anthropic`.
+
+Each client takes a request rebuilt from the log (a plain dict) and returns the model's output as
+plain JSON, streamed or not. Streams are assembled with the provider adapter's stream accumulator,
+which hands out each tool call as soon as it is complete. Rate limits and 5xx are retried by the
+SDK itself (`max_retries`); a request that still fails raises `ModelError` — a model failure, never
+a tool failure.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from worker.models import ToolCall
+from worker.registry import Provider
+
+from orchestrator.providers import get_adapter
+from orchestrator.providers.plain_data import to_plain
+
+# Local OpenAI-compatible servers ignore the key, but the SDKs refuse to start without one.
+PLACEHOLDER_API_KEY = "not-needed"
+
+
+class ModelError(RuntimeError):
+    """The model could not be called (after the SDK's own retries). Not a tool failure."""
+
+    def __init__(self, provider: Provider, model: str, cause: BaseException) -> None:
+        status = getattr(cause, "status_code", None)
+        where = f" (HTTP {status})" if status else ""
+        super().__init__(f"{provider} model {model!r} failed{where}: {type(cause).__name__}: {cause}")
+        self.provider = provider
+        self.model = model
+        self.status_code: int | None = status
+
+
+class ModelReply(BaseModel):
+    """One model answer: the output as plain JSON, and its calls when they were assembled from a stream."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    output: Any
+    streamed: bool = False
+    calls: list[ToolCall] | None = Field(default=None, description="Set for streams: calls in completion order.")
+
+
+class ModelClient(Protocol):
+    """Sends one request to one provider API."""
+
+    provider: Provider
+
+    def complete(self, request: dict[str, Any], *, stream: bool = False) -> ModelReply: ...
+
+    async def acomplete(self, request: dict[str, Any], *, stream: bool = False) -> ModelReply: ...
+
+
+class SdkModelClient:
+    """A ModelClient on the official SDK for `provider`, with any compatible `base_url`."""
+
+    def __init__(self, provider: Provider, *, base_url: str | None = None, api_key: str | None = None,
+                 max_retries: int = 2, timeout: float = 120.0) -> None:
+        self.provider = provider
+        self._options: dict[str, Any] = {"base_url": base_url, "max_retries": max_retries, "timeout": timeout}
+        if api_key is not None:
+            self._options["api_key"] = api_key
+        elif base_url is not None and not _key_in_env(provider):
+            self._options["api_key"] = PLACEHOLDER_API_KEY
+        self._sync: Any = None
+        self._async: Any = None
+
+    def _client(self, asynchronous: bool) -> Any:
+        if self.provider == "anthropic":
+            import anthropic
+
+            factory = anthropic.AsyncAnthropic if asynchronous else anthropic.Anthropic
+        else:
+            import openai
+
+            factory = openai.AsyncOpenAI if asynchronous else openai.OpenAI
+        if asynchronous:
+            self._async = self._async or factory(**self._options)
+            return self._async
+        self._sync = self._sync or factory(**self._options)
+        return self._sync
+
+    def _create(self, client: Any) -> Any:
+        if self.provider == "chat":
+            return client.chat.completions.create
+        if self.provider == "responses":
+            return client.responses.create
+        return client.messages.create
+
+    def _errors(self) -> tuple[type[BaseException], ...]:
+        import anthropic
+        import openai
+
+        return (openai.APIError, anthropic.APIError)
+
+    def complete(self, request: dict[str, Any], *, stream: bool = False) -> ModelReply:
+        """Send the request and wait for the whole answer (assembling the stream when `stream`)."""
+        create = self._create(self._client(False))
+        try:
+            if not stream:
+                return ModelReply(output=to_plain(create(**request)))
+            events = create(**request, stream=True)
+            try:
+                return self._assemble(events)
+            finally:
+                events.close()
+        except self._errors() as exc:
+            raise ModelError(self.provider, str(request.get("model")), exc) from exc
+
+    async def acomplete(self, request: dict[str, Any], *, stream: bool = False) -> ModelReply:
+        """Async twin of `complete`."""
+        create = self._create(self._client(True))
+        try:
+            if not stream:
+                return ModelReply(output=to_plain(await create(**request)))
+            events = await create(**request, stream=True)
+            try:
+                return await self._aassemble(events)
+            finally:
+                await events.close()
+        except self._errors() as exc:
+            raise ModelError(self.provider, str(request.get("model")), exc) from exc
+
+    def _assemble(self, events: Iterable[Any]) -> ModelReply:
+        accumulator = get_adapter(self.provider).stream_accumulator()
+        calls: list[ToolCall] = []
+        for event in events:
+            calls.extend(accumulator.feed(event))
+        calls.extend(accumulator.finish())
+        return ModelReply(output=accumulator.assistant_output(), streamed=True, calls=calls)
+
+    async def _aassemble(self, events: AsyncIterator[Any]) -> ModelReply:
+        accumulator = get_adapter(self.provider).stream_accumulator()
+        calls: list[ToolCall] = []
+        async for event in events:
+            calls.extend(accumulator.feed(event))
+        calls.extend(accumulator.finish())
+        return ModelReply(output=accumulator.assistant_output(), streamed=True, calls=calls)
+
+    def close(self) -> None:
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
+
+    async def aclose(self) -> None:
+        if self._async is not None:
+            await self._async.close()
+            self._async = None
+
+
+def _key_in_env(provider: Provider) -> bool:
+    return bool(os.environ.get("ANTHROPIC_API_KEY" if provider == "anthropic" else "OPENAI_API_KEY"))
+
+
+def make_model_client(provider: Provider, *, base_url: str | None = None, api_key: str | None = None,
+                      max_retries: int = 2, timeout: float = 120.0) -> SdkModelClient:
+    """A client for `provider` ("chat" | "responses" | "anthropic"); retries are the SDK's `max_retries`."""
+    return SdkModelClient(provider, base_url=base_url, api_key=api_key, max_retries=max_retries, timeout=timeout)
+
+
+__all__ = ["ModelClient", "ModelError", "ModelReply", "PLACEHOLDER_API_KEY", "SdkModelClient", "make_model_client"]

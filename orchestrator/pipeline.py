@@ -1,0 +1,125 @@
+"""Before dispatch: parse → look up → validate → permission, for each call of a turn.
+
+Errors found here never reach a worker: they become results directly (DESIGN.md section 1).
+`Pipeline.run` adds in-process execution so one call can go the whole way without Celery.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from worker import errors
+from worker.context import ToolContext
+from worker.idempotency import idempotency_key
+from worker.models import ToolCall, ToolResult
+from worker.registry import Registry
+from worker.runner import execute_call
+from worker.spill import SpillStore, spill_store
+from worker.tools import ToolSpec
+
+PermissionHook = Callable[[ToolCall, ToolSpec], "bool | str | None"]
+"""Decides a call before it runs: True allows; False or a reason string refuses; None abstains
+(abstaining allows low-risk tools and refuses high-risk ones)."""
+
+
+class PreparedCall(BaseModel):
+    """A call that passed every pre-dispatch check, with arguments as validated JSON."""
+
+    model_config = ConfigDict(frozen=True)
+
+    call: ToolCall
+    arguments: dict[str, Any]
+    idempotency_key: str
+
+
+def parse_arguments(call: ToolCall) -> dict[str, Any] | ToolResult:
+    """The call's arguments as a JSON object, or an INVALID_JSON result."""
+    raw = call.arguments_raw
+    if not raw.strip():
+        # Chat models send "" for tools without parameters.
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return errors.error_result(call, errors.invalid_json(call, exc))
+    except (ValueError, RecursionError) as exc:
+        return errors.error_result(call, errors.invalid_json(call, f"unreadable input ({type(exc).__name__})"))
+    if not isinstance(value, dict):
+        return errors.error_result(call, errors.invalid_json(call, f"got a JSON {type(value).__name__}, expected an object"))
+    return value
+
+
+def check_permission(call: ToolCall, spec: ToolSpec, hook: PermissionHook | None) -> ToolResult | None:
+    """A PERMISSION_DENIED result, or None when the call may run."""
+    decision = hook(call, spec) if hook is not None else None
+    if decision is True or (decision is None and spec.risk == "low"):
+        return None
+    if isinstance(decision, str) and decision:
+        reason = decision
+    elif decision is None:
+        reason = "this is a high-risk tool and no permission hook allowed it"
+    else:
+        reason = "the permission policy refused it"
+    return errors.error_result(call, errors.permission_denied(call, reason))
+
+
+def prepare_call(
+    call: ToolCall, registry: Registry, session_id: str, permission_hook: PermissionHook | None = None
+) -> PreparedCall | ToolResult:
+    """Run the pre-dispatch checks in order: the name before the arguments, permission last."""
+    spec = registry.get(call.name)
+    if spec is None:
+        return errors.error_result(call, errors.unknown_tool(call, registry.closest(call.name)))
+    parsed = parse_arguments(call)
+    if isinstance(parsed, ToolResult):
+        return parsed
+    try:
+        validated = spec.args_model.model_validate(parsed)
+    except ValidationError as exc:
+        return errors.error_result(call, errors.invalid_arguments(call.model_copy(update={"arguments": parsed}), exc))
+    denied = check_permission(call, spec, permission_hook)
+    if denied is not None:
+        return denied
+    arguments = validated.model_dump(mode="json")
+    return PreparedCall(
+        call=call, arguments=arguments, idempotency_key=idempotency_key(spec, session_id, call.id, arguments)
+    )
+
+
+class Pipeline:
+    """The whole pipeline for one call in this process (no Celery): checks, sandboxed run, shaping."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        permission_hook: PermissionHook | None = None,
+        spill: SpillStore | None = None,
+    ) -> None:
+        self.registry = registry
+        self.permission_hook = permission_hook
+        self.spill = spill if spill is not None else spill_store()
+
+    def run(self, call: ToolCall, session_id: str = "local") -> ToolResult:
+        """Exactly one result for the call; never raises for anything the model or handler did."""
+        prepared = prepare_call(call, self.registry, session_id, self.permission_hook)
+        if isinstance(prepared, ToolResult):
+            return prepared
+        spec = self.registry[call.name]
+        context = ToolContext(
+            call_id=call.id,
+            session_id=session_id,
+            tool_name=call.name,
+            idempotency_key=prepared.idempotency_key,
+            deadline=time.time() + spec.timeout,
+        )
+        return execute_call(call, spec, prepared.arguments, context, spill=self.spill)
+
+    def run_all(self, calls: list[ToolCall], session_id: str = "local") -> list[ToolResult]:
+        """Results for several calls, one each, in the model's order (run one after another)."""
+        return [self.run(call, session_id) for call in sorted(calls, key=lambda c: c.index)]

@@ -1,0 +1,281 @@
+"""Anthropic Messages: `tool_use` blocks in, `tool_result` blocks in one user message out.
+
+Assistant output is an SDK `Message`, a dict with a "content" list (a message or message param),
+or a list of content blocks (SDK blocks or dicts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.providers.plain_data import (
+    as_list,
+    as_mapping,
+    check_unique_ids,
+    compact_json,
+    parse_arguments,
+    read_arguments,
+    required_text,
+    to_plain,
+    without_nulls,
+)
+from orchestrator.providers.protocol import ProviderFormatError, ProviderName
+from worker.models import ToolCall, ToolResult
+
+INVALID_JSON_KEY = "INVALID_JSON"
+"""A tool_use `input` must be an object. When streamed input is not a JSON object, the block keeps
+the text as `{"INVALID_JSON": text}` (the wrapping Anthropic documents for fine-grained tool
+streaming), and reading such a block gives back the text with `arguments=None`."""
+
+# Blocks whose input arrives as input_json_delta fragments when streamed.
+_STREAMED_INPUT_BLOCKS = frozenset({"tool_use", "server_tool_use"})
+
+
+def _content_blocks(output: Any) -> list[Any] | str:
+    data = to_plain(output)
+    if isinstance(data, list):
+        return data
+    message = as_mapping(data, "anthropic assistant output")
+    role = message.get("role", "assistant")
+    if role != "assistant":
+        raise ProviderFormatError(f"anthropic assistant output has role {role!r}, expected 'assistant'")
+    content = message.get("content")
+    if isinstance(content, str):
+        return content  # a message param may carry plain text: no calls
+    if not isinstance(content, list):
+        raise ProviderFormatError("anthropic assistant output has no 'content' list")
+    return content
+
+
+def _input_arguments(block: dict[str, Any], what: str) -> tuple[str, dict[str, Any] | None]:
+    if "input" not in block:
+        raise ProviderFormatError(f"{what} has no 'input'")
+    value = block["input"]
+    if isinstance(value, dict) and set(value) == {INVALID_JSON_KEY} and isinstance(value[INVALID_JSON_KEY], str):
+        return value[INVALID_JSON_KEY], None
+    if isinstance(value, dict):
+        return compact_json(value), value
+    return read_arguments(value)
+
+
+def _read_calls(content: list[Any] | str) -> list[ToolCall]:
+    if isinstance(content, str):
+        return []
+    calls: list[ToolCall] = []
+    for position, item in enumerate(content):
+        block = as_mapping(item, f"content[{position}]")
+        if block.get("type") != "tool_use":
+            continue  # text, thinking, server tools and their results are not ours to run
+        what = f"tool_use block content[{position}]"
+        arguments_raw, arguments = _input_arguments(block, what)
+        calls.append(
+            ToolCall(
+                id=required_text(block, "id", what),
+                name=required_text(block, "name", what),
+                arguments_raw=arguments_raw,
+                arguments=arguments,
+                index=len(calls),
+            )
+        )
+    check_unique_ids([call.id for call in calls], "anthropic assistant message")
+    return calls
+
+
+def _extra_blocks(extra_content: str | Sequence[Any] | dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Extra user content as blocks: text becomes a text block, SDK blocks become dicts."""
+    if extra_content is None:
+        return []
+    plain = to_plain(extra_content)
+    blocks: list[dict[str, Any]] = []
+    for block in plain if isinstance(plain, list) else [plain]:
+        if isinstance(block, str):
+            if block:
+                blocks.append({"type": "text", "text": block})
+        elif isinstance(block, dict):
+            blocks.append(block)
+        else:
+            raise TypeError(f"extra user content must be text or content blocks, got {type(block).__name__}")
+    return blocks
+
+
+class AnthropicMessagesAdapter:
+    """Adapter for the Anthropic Messages API (`provider="anthropic"`)."""
+
+    name: ProviderName = "anthropic"
+
+    def parse_calls(self, output: Any) -> list[ToolCall]:
+        """Calls of the `tool_use` blocks, in block order.
+
+        arguments_raw is `input` as compact JSON and arguments is `input` itself. Raises
+        ProviderFormatError for a block without id, name or input, or duplicate ids.
+        """
+        return _read_calls(_content_blocks(output))
+
+    def assistant_items(self, output: Any) -> list[dict[str, Any]]:
+        """One assistant message with every content block verbatim (thinking signatures included)."""
+        content = _content_blocks(output)
+        _read_calls(content)
+        return [{"role": "assistant", "content": without_nulls(content)}]
+
+    def result_items(
+        self,
+        results: list[ToolResult],
+        extra_content: str | Sequence[Any] | dict[str, Any] | None = None,
+    ) -> list[dict[str, Any]]:
+        """One user message: a `tool_result` block per result (in order) first, then `extra_content`.
+
+        The API requires tool results to open the user message that follows the tool use, so any
+        extra user text or blocks come after them. Returns [] when there is nothing to send.
+        """
+        blocks: list[dict[str, Any]] = [
+            {
+                "type": "tool_result",
+                "tool_use_id": result.call_id,
+                "content": result.content,
+                "is_error": result.status == "error",
+            }
+            for result in results
+        ]
+        blocks.extend(_extra_blocks(extra_content))
+        return [{"role": "user", "content": blocks}] if blocks else []
+
+    def stream_accumulator(self) -> AnthropicStreamAccumulator:
+        """A fresh accumulator for raw Messages stream events."""
+        return AnthropicStreamAccumulator()
+
+
+@dataclass
+class _BlockDraft:
+    data: dict[str, Any]
+    json_parts: list[str] = field(default_factory=list)
+    stopped: bool = False
+    handed_out: bool = False
+
+    @property
+    def is_call(self) -> bool:
+        return self.data.get("type") == "tool_use"
+
+    def finalize(self) -> None:
+        """Turn the streamed input text into the block's `input` object."""
+        self.stopped = True
+        if self.data.get("type") not in _STREAMED_INPUT_BLOCKS:
+            return
+        text = "".join(self.json_parts)
+        if not text:
+            return  # no input deltas: the input from content_block_start is complete
+        parsed = parse_arguments(text)
+        self.data["input"] = parsed if parsed is not None else {INVALID_JSON_KEY: text}
+
+
+class AnthropicStreamAccumulator:
+    """Assembles raw Messages stream events (`message_start`, `content_block_start/delta/stop`,
+    `message_delta`), SDK event objects or dicts.
+
+    A `tool_use` block is complete at its `content_block_stop`; it is handed out once every block
+    before it has started, so its index among the calls is final. Input arrives as
+    `input_json_delta.partial_json` text, which is parsed once at the stop (or at `finish`).
+    """
+
+    def __init__(self) -> None:
+        self._message: dict[str, Any] = {"role": "assistant"}
+        self._blocks: dict[int, _BlockDraft] = {}
+
+    def feed(self, event: Any) -> list[ToolCall]:
+        """Apply one event; returns the calls it completed."""
+        data = as_mapping(to_plain(event), "anthropic stream event")
+        kind = data.get("type")
+        if kind == "message_start":
+            message = dict(as_mapping(data.get("message"), "message_start.message"))
+            for position, block in enumerate(as_list(message.pop("content", None), "message_start content")):
+                self._blocks[position] = _BlockDraft(data=as_mapping(block, "content block"), stopped=True)
+            self._message.update(message)
+        elif kind == "content_block_start":
+            index = self._event_index(data)
+            if index in self._blocks:
+                raise ProviderFormatError(f"content block {index} started twice")
+            block = dict(as_mapping(data.get("content_block"), "content_block_start.content_block"))
+            self._blocks[index] = _BlockDraft(data=block)
+        elif kind == "content_block_delta":
+            self._apply_delta(self._open_block(data), as_mapping(data.get("delta"), "content_block_delta.delta"))
+        elif kind == "content_block_stop":
+            self._open_block(data).finalize()
+        elif kind == "message_delta":
+            delta = as_mapping(data.get("delta") or {}, "message_delta.delta")
+            self._message.update({key: value for key, value in delta.items() if value is not None})
+            # message_delta usage holds the counts that changed; the rest stay from message_start.
+            if isinstance(data.get("usage"), dict):
+                usage = {key: value for key, value in data["usage"].items() if value is not None}
+                self._message["usage"] = {**(self._message.get("usage") or {}), **usage}
+        return self._hand_out(final=False)
+
+    def finish(self) -> list[ToolCall]:
+        """End of stream: blocks still open are closed with what arrived; remaining calls in order."""
+        for draft in self._blocks.values():
+            if not draft.stopped:
+                draft.finalize()
+        return self._hand_out(final=True)
+
+    def assistant_output(self) -> dict[str, Any]:
+        """The assembled message as a dict with a "content" list (what `parse_calls` accepts)."""
+        content = []
+        for index in sorted(self._blocks):
+            draft = self._blocks[index]
+            block = dict(draft.data)
+            if not draft.stopped and draft.json_parts:
+                block["input"] = {INVALID_JSON_KEY: "".join(draft.json_parts)}  # still streaming
+            content.append(block)
+        return {**self._message, "content": content}
+
+    @staticmethod
+    def _event_index(data: dict[str, Any]) -> int:
+        index = data.get("index")
+        if not isinstance(index, int):
+            raise ProviderFormatError(f"{data.get('type')} event has no block index")
+        return index
+
+    def _open_block(self, data: dict[str, Any]) -> _BlockDraft:
+        index = self._event_index(data)
+        draft = self._blocks.get(index)
+        if draft is None:
+            raise ProviderFormatError(f"{data.get('type')} for content block {index}, which never started")
+        if draft.stopped:
+            raise ProviderFormatError(f"{data.get('type')} for content block {index}, which already stopped")
+        return draft
+
+    @staticmethod
+    def _apply_delta(draft: _BlockDraft, delta: dict[str, Any]) -> None:
+        kind = delta.get("type")
+        block = draft.data
+        if kind == "input_json_delta":
+            draft.json_parts.append(delta.get("partial_json") or "")
+        elif kind == "text_delta":
+            block["text"] = (block.get("text") or "") + (delta.get("text") or "")
+        elif kind == "thinking_delta":
+            block["thinking"] = (block.get("thinking") or "") + (delta.get("thinking") or "")
+        elif kind == "signature_delta":
+            block["signature"] = (block.get("signature") or "") + (delta.get("signature") or "")
+        elif kind == "citations_delta":
+            block["citations"] = [*(block.get("citations") or []), delta.get("citation")]
+
+    def _hand_out(self, *, final: bool) -> list[ToolCall]:
+        ready: list[tuple[int, _BlockDraft]] = []
+        call_rank = 0
+        for index in sorted(self._blocks):
+            # Until every earlier block has started, a call's index among the calls is not known.
+            if not final and index != 0 and index - 1 not in self._blocks:
+                break
+            draft = self._blocks[index]
+            if draft.is_call:
+                if draft.stopped and not draft.handed_out:
+                    ready.append((call_rank, draft))
+                call_rank += 1
+        calls = []
+        for rank, draft in ready:
+            draft.handed_out = True
+            (call,) = _read_calls([draft.data])
+            calls.append(call.model_copy(update={"index": rank}))
+        handed_ids = [draft.data.get("id") for draft in self._blocks.values() if draft.handed_out]
+        check_unique_ids([str(call_id) for call_id in handed_ids], "anthropic stream")
+        return calls

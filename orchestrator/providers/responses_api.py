@@ -1,0 +1,225 @@
+"""OpenAI Responses: `function_call` output items in, `function_call_output` input items out.
+
+Assistant output is an SDK `Response`, a dict with an "output" list, or a list of output items
+(SDK items or dicts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.providers.plain_data import (
+    as_list,
+    as_mapping,
+    check_unique_ids,
+    read_arguments,
+    required_text,
+    to_plain,
+    without_nulls,
+)
+from orchestrator.providers.protocol import ProviderFormatError, ProviderName
+from worker.models import ToolCall, ToolResult
+
+# Output items the client must answer but cannot answer with a function_call_output.
+_UNSUPPORTED_CALL_ITEMS = frozenset({"custom_tool_call"})
+
+
+def _output_items(output: Any) -> list[Any]:
+    data = to_plain(output)
+    if isinstance(data, list):
+        return data
+    response = as_mapping(data, "responses assistant output")
+    items = response.get("output")
+    if not isinstance(items, list):
+        raise ProviderFormatError("responses assistant output has no 'output' list")
+    return items
+
+
+def _read_call(item: dict[str, Any], position: int, index: int) -> ToolCall:
+    what = f"function_call item output[{position}]"
+    arguments_raw, arguments = read_arguments(item.get("arguments"))
+    return ToolCall(
+        id=required_text(item, "call_id", what),
+        name=required_text(item, "name", what),
+        arguments_raw=arguments_raw,
+        arguments=arguments,
+        index=index,
+    )
+
+
+def _read_calls(items: list[Any]) -> list[ToolCall]:
+    calls: list[ToolCall] = []
+    for position, entry in enumerate(items):
+        item = as_mapping(entry, f"output[{position}]")
+        kind = item.get("type")
+        if kind in _UNSUPPORTED_CALL_ITEMS:
+            raise ProviderFormatError(
+                f"output[{position}] is a {kind!r}, which toolchord cannot answer (it declares function tools only)"
+            )
+        if kind == "function_call":
+            calls.append(_read_call(item, position, len(calls)))
+    check_unique_ids([call.id for call in calls], "responses output")
+    return calls
+
+
+class ResponsesAdapter:
+    """Adapter for the Responses API (`provider="responses"`)."""
+
+    name: ProviderName = "responses"
+
+    def parse_calls(self, output: Any) -> list[ToolCall]:
+        """Calls of the `function_call` items; ToolCall.id is the item's `call_id`.
+
+        arguments_raw is the JSON text as received; arguments is the parsed object or None.
+        Raises ProviderFormatError for an item without call_id or name, duplicate call ids, or a
+        `custom_tool_call` (it would need a different output item).
+        """
+        return _read_calls(_output_items(output))
+
+    def assistant_items(self, output: Any) -> list[dict[str, Any]]:
+        """Every output item as an input item, verbatim: item ids, reasoning `encrypted_content`."""
+        items = _output_items(output)
+        _read_calls(items)
+        return [without_nulls(item) for item in items]
+
+    def result_items(self, results: list[ToolResult]) -> list[dict[str, Any]]:
+        """One `{"type": "function_call_output", "call_id", "output"}` item per result, in order."""
+        return [{"type": "function_call_output", "call_id": result.call_id, "output": result.content} for result in results]
+
+    def stream_accumulator(self) -> ResponsesStreamAccumulator:
+        """A fresh accumulator for Responses stream events."""
+        return ResponsesStreamAccumulator()
+
+
+class ResponsesStreamAccumulator:
+    """Assembles Responses stream events (SDK event objects or dicts) by `output_index`.
+
+    `response.output_item.added` starts an item, `response.function_call_arguments.delta` adds
+    argument text (found by output_index or item_id), and `response.function_call_arguments.done`
+    or `response.output_item.done` completes a function call. A call is handed out once every
+    earlier output item has been added, so its index among the calls is final.
+    `response.completed`/`response.incomplete` carry the final output and settle everything.
+    """
+
+    def __init__(self) -> None:
+        self._response: dict[str, Any] = {}
+        self._items: dict[int, dict[str, Any]] = {}
+        self._index_by_item_id: dict[str, int] = {}
+        self._done: set[int] = set()
+        self._handed_out: dict[int, ToolCall] = {}
+
+    def feed(self, event: Any) -> list[ToolCall]:
+        """Apply one event; returns the calls it completed."""
+        data = as_mapping(to_plain(event), "responses stream event")
+        kind = data.get("type")
+        if kind in ("response.created", "response.in_progress"):
+            self._take_response(as_mapping(data.get("response"), f"{kind}.response"))
+        elif kind == "response.output_item.added":
+            index = self._event_index(data, known=False)
+            if index in self._items:
+                raise ProviderFormatError(f"output item {index} added twice")
+            self._store(index, dict(as_mapping(data.get("item"), "output_item.added.item")))
+        elif kind == "response.function_call_arguments.delta":
+            item = self._open_call(data)
+            item["arguments"] = (item.get("arguments") or "") + (data.get("delta") or "")
+        elif kind == "response.function_call_arguments.done":
+            index = self._event_index(data, known=True)
+            item = self._open_call(data)
+            if isinstance(data.get("arguments"), str):
+                item["arguments"] = data["arguments"]
+            self._done.add(index)
+        elif kind == "response.output_item.done":
+            index = self._event_index(data, known=False)
+            self._settle(index, dict(as_mapping(data.get("item"), "output_item.done.item")))
+        elif kind == "response.content_part.added":
+            item = self._items[self._event_index(data, known=True)]
+            if not isinstance(item.get("content"), list):
+                item["content"] = []
+            content = item["content"]
+            position = data.get("content_index", len(content))
+            part = dict(as_mapping(data.get("part"), "content_part.added.part"))
+            content[position:position + 1] = [part]
+        elif kind == "response.output_text.delta":
+            item = self._items[self._event_index(data, known=True)]
+            content = item.get("content")
+            position = data.get("content_index", 0)
+            if isinstance(content, list) and isinstance(position, int) and position < len(content):
+                content[position]["text"] = (content[position].get("text") or "") + (data.get("delta") or "")
+        elif kind in ("response.completed", "response.incomplete"):
+            response = as_mapping(data.get("response"), f"{kind}.response")
+            self._take_response(response)
+            for index, item in enumerate(as_list(response.get("output"), f"{kind}.response.output")):
+                self._settle(index, dict(as_mapping(item, "response output item")))
+        return self._hand_out(final=False)
+
+    def finish(self) -> list[ToolCall]:
+        """End of stream: every call not yet handed out, with the arguments that arrived, in order."""
+        for index, item in self._items.items():
+            if item.get("type") == "function_call":
+                self._done.add(index)
+        return self._hand_out(final=True)
+
+    def assistant_output(self) -> dict[str, Any]:
+        """The assembled response as a dict with an "output" list (what `parse_calls` accepts)."""
+        return {**self._response, "output": [self._items[index] for index in sorted(self._items)]}
+
+    def _take_response(self, response: dict[str, Any]) -> None:
+        self._response.update({key: value for key, value in response.items() if key != "output"})
+
+    def _store(self, index: int, item: dict[str, Any]) -> None:
+        self._items[index] = item
+        if isinstance(item.get("id"), str):
+            self._index_by_item_id[item["id"]] = index
+
+    def _settle(self, index: int, item: dict[str, Any]) -> None:
+        """Take a finished item as authoritative."""
+        earlier = self._handed_out.get(index)
+        self._store(index, item)
+        if item.get("type") != "function_call":
+            return
+        self._done.add(index)
+        if earlier is not None:
+            (settled,) = _read_calls([item])
+            if (settled.id, settled.name, settled.arguments_raw) != (earlier.id, earlier.name, earlier.arguments_raw):
+                raise ProviderFormatError(f"output item {index} changed after its call was complete")
+
+    def _event_index(self, data: dict[str, Any], *, known: bool) -> int:
+        index = data.get("output_index")
+        if not isinstance(index, int):
+            item_id = data.get("item_id")
+            index = self._index_by_item_id.get(item_id) if isinstance(item_id, str) else None
+        if not isinstance(index, int):
+            raise ProviderFormatError(f"{data.get('type')} event names no output item")
+        if known and index not in self._items:
+            raise ProviderFormatError(f"{data.get('type')} for output item {index}, which was never added")
+        return index
+
+    def _open_call(self, data: dict[str, Any]) -> dict[str, Any]:
+        index = self._event_index(data, known=True)
+        item = self._items[index]
+        if item.get("type") != "function_call":
+            raise ProviderFormatError(f"{data.get('type')} for output item {index}, which is not a function_call")
+        if index in self._done:
+            raise ProviderFormatError(f"{data.get('type')} for output item {index}, which is already complete")
+        return item
+
+    def _hand_out(self, *, final: bool) -> list[ToolCall]:
+        calls: list[ToolCall] = []
+        call_rank = 0
+        for index in sorted(self._items):
+            # Until every earlier item has been added, a call's index among the calls is not known.
+            if not final and index != 0 and index - 1 not in self._items:
+                break
+            item = self._items[index]
+            if item.get("type") in _UNSUPPORTED_CALL_ITEMS:
+                _read_calls([item])  # raises: the turn cannot be answered
+            if item.get("type") != "function_call":
+                continue
+            if index in self._done and index not in self._handed_out:
+                (call,) = _read_calls([item])
+                call = call.model_copy(update={"index": call_rank})
+                self._handed_out[index] = call
+                calls.append(call)
+            call_rank += 1
+        check_unique_ids([call.id for call in self._handed_out.values()], "responses stream")
+        return calls

@@ -1,0 +1,363 @@
+"""The orchestrator: one model turn → checks → a Celery chord → one result per call, in order.
+
+A turn never hangs: it has a deadline, and calls without a result by then get `NOT_EXECUTED`
+(never started, and now prevented from starting), `TIMEOUT` or `OUTCOME_UNKNOWN` (started; their
+late results are kept and reported in the session's next turn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import Any
+
+from celery import Celery, chain, chord, states
+from celery.canvas import Signature
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+
+from orchestrator.pipeline import PermissionHook, PreparedCall, prepare_call
+from orchestrator.providers import get_adapter
+from orchestrator.turn import DispatchedCall, LateCall, TurnRecord, TurnResult
+from orchestrator.turn_store import MemoryTurnStore, RedisTurnStore, TurnStore
+from orchestrator.waiting import PollingResultWaiter, RedisResultWaiter, ResultWaiter
+from worker import errors
+from worker.celery_app import WorkerRuntime, create_app, runtime_of
+from worker.config import Settings
+from worker.models import ToolCall, ToolResult
+from worker.payloads import CallPayload, CallRef, cancel_scope
+from worker.registry import Provider, Registry
+from worker.tasks import COLLECT_TASK, TASK_NAMES
+
+# Slack over the handler timeout for Celery's own limits: the sandbox kills the handler first.
+_SOFT_LIMIT_SLACK = 5.0
+_HARD_LIMIT_SLACK = 10.0
+# How often a waiting turn looks at its cancel flag.
+_CANCEL_POLL = 0.25
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+class Orchestrator:
+    """Runs model turns on a Celery app made by `worker.create_app` (embedded when `app` is None)."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        app: Celery | None = None,
+        *,
+        settings: Settings | None = None,
+        turn_timeout: float | None = None,
+        permission_hook: PermissionHook | None = None,
+    ) -> None:
+        self.app = app if app is not None else create_app(settings, registry)
+        self.runtime: WorkerRuntime = runtime_of(self.app)
+        self.registry = registry
+        for spec in self.runtime.registry:
+            if spec.name not in self.registry:
+                self.registry.add(spec)
+        self.turn_timeout = turn_timeout
+        self.permission_hook = permission_hook
+        settings = self.runtime.settings
+        self.turns: TurnStore = (
+            MemoryTurnStore() if self.runtime.redis is None else RedisTurnStore(self.runtime.redis, settings.result_ttl)
+        )
+        self._waiters: dict[asyncio.AbstractEventLoop, ResultWaiter] = {}
+        if settings.embedded:
+            for spec in registry:
+                if spec.name not in self.runtime.registry:
+                    self.runtime.registry.add(spec)
+            self.runtime.start_embedded_worker(self.app)
+
+    # -- planning -----------------------------------------------------------------------------
+
+    def _deadline(self, groups: list[list[DispatchedCall]]) -> float:
+        if self.turn_timeout is not None:
+            return time.time() + self.turn_timeout
+        longest = 0.0
+        for group in groups:
+            total = 0.0
+            for dc in group:
+                spec = self.registry[dc.call.name]
+                # read/idempotent calls may be retried once after a timeout.
+                total += spec.timeout * (1 if spec.side_effect == "unsafe" else 2) + 2
+            longest = max(longest, total)
+        return time.time() + longest + 5
+
+    def plan(self, session_id: str, turn_id: str, calls: list[ToolCall], provider: Provider) -> TurnRecord:
+        """Check every call and group the valid ones: one chain per shared resource, in model order."""
+        early: list[ToolResult] = []
+        dispatched: list[DispatchedCall] = []
+        for call in sorted(calls, key=lambda c: c.index):
+            prepared = prepare_call(call, self.registry, session_id, self.permission_hook)
+            if isinstance(prepared, ToolResult):
+                early.append(prepared)
+                continue
+            dispatched.append(self._dispatched(prepared))
+        by_resource: dict[str, list[DispatchedCall]] = {}
+        groups: list[list[DispatchedCall]] = []
+        for dc in dispatched:
+            spec = self.registry[dc.call.name]
+            resource = spec.resource(dc.arguments) if spec.resource is not None else None
+            if resource is None:
+                groups.append([dc])
+            elif resource in by_resource:
+                by_resource[resource].append(dc)
+            else:
+                by_resource[resource] = [dc]
+                groups.append(by_resource[resource])
+        return TurnRecord(
+            session_id=session_id,
+            turn_id=turn_id,
+            provider=provider,
+            calls=list(calls),
+            early=early,
+            dispatched=dispatched,
+            groups=[[dc.call.id for dc in group] for group in groups],
+            deadline=self._deadline(groups),
+        )
+
+    def _dispatched(self, prepared: PreparedCall) -> DispatchedCall:
+        spec = self.registry[prepared.call.name]
+        return DispatchedCall(
+            call=prepared.call,
+            arguments=prepared.arguments,
+            key=prepared.idempotency_key,
+            # Stable across resubmission (same key and call), unique within a turn.
+            task_id="tc-" + _digest(prepared.idempotency_key, prepared.call.id),
+            side_effect=spec.side_effect,
+        )
+
+    def _signature(self, record: TurnRecord, dc: DispatchedCall, first: bool) -> Signature:
+        spec = self.registry[dc.call.name]
+        payload = CallPayload(
+            call=dc.call,
+            arguments=dc.arguments,
+            key=dc.key,
+            session_id=record.session_id,
+            turn_id=record.turn_id,
+            deadline=record.deadline,
+        )
+        isolated = spec.sandbox.isolate
+        return self.app.signature(
+            TASK_NAMES[spec.side_effect],
+            kwargs={"payload": payload.model_dump(mode="json")},
+            immutable=first,
+            task_id=dc.task_id,
+            queue=spec.queue or self.runtime.settings.default_queue,
+            soft_time_limit=spec.timeout + (_SOFT_LIMIT_SLACK if isolated else 0),
+            time_limit=spec.timeout + _HARD_LIMIT_SLACK,
+            # Tool arguments stay out of events and Flower: show the tool and the call id only.
+            argsrepr=f"{dc.call.name} call={dc.call.id}",
+            kwargsrepr="{}",
+        )
+
+    def _dispatch(self, record: TurnRecord) -> str | None:
+        """Send the chord; returns the callback's task id (None when nothing needs a worker)."""
+        if not record.dispatched:
+            return None
+        by_id = {dc.call.id: dc for dc in record.dispatched}
+        header = []
+        for group in record.groups:
+            sigs = [self._signature(record, by_id[cid], first=i == 0) for i, cid in enumerate(group)]
+            header.append(sigs[0] if len(sigs) == 1 else chain(*sigs))
+        order = [
+            CallRef(
+                id=dc.call.id, name=dc.call.name, arguments_raw=dc.call.arguments_raw, side_effect=dc.side_effect
+            ).model_dump()
+            for dc in record.dispatched
+        ]
+        body_id = "tc-collect-" + _digest(record.session_id, record.turn_id, str(time.time_ns()))
+        body = self.app.signature(COLLECT_TASK, kwargs={"order": order}, task_id=body_id,
+                                  queue=self.runtime.settings.default_queue)
+        # chord() explicitly, never chain(group, body): a one-task group would unroll (pitfall 5).
+        chord(header, body).apply_async()
+        return body_id
+
+    # -- finishing ----------------------------------------------------------------------------
+
+    def _finish(self, record: TurnRecord, collected: list[dict[str, Any]] | None, reason: str) -> TurnResult:
+        """Merge early, collected and missing results into one per call in model order."""
+        by_id: dict[str, ToolResult] = {r.call_id: r for r in record.early}
+        for item in collected or []:
+            result = ToolResult.model_validate(item)
+            by_id.setdefault(result.call_id, result)
+        missing = [dc for dc in record.dispatched if dc.call.id not in by_id]
+        if missing:
+            stored = self._stored_results([dc.key for dc in missing])
+            for dc, raw in zip(missing, stored, strict=True):
+                by_id[dc.call.id] = (
+                    ToolResult.model_validate_json(raw).model_copy(update={"call_id": dc.call.id})
+                    if raw is not None
+                    else self._unfinished(record, dc, reason)
+                )
+        results = [by_id[call.id] for call in sorted(record.calls, key=lambda c: c.index)]
+        turn = TurnResult(
+            session_id=record.session_id,
+            turn_id=record.turn_id,
+            provider=record.provider,
+            calls=record.calls,
+            results=results,
+            late_results=self._late_results(record.session_id, exclude_turn=record.turn_id),
+        )
+        self.turns.finish(record, turn)
+        return turn
+
+    def _stored_results(self, keys: list[str]) -> list[str | None]:
+        return self.runtime.store.results(keys)
+
+    def _unfinished(self, record: TurnRecord, dc: DispatchedCall, reason: str) -> ToolResult:
+        """The truthful result for a call that has none when the turn ends."""
+        store = self.runtime.store
+        # Flag first, then look: a worker checks the flag after claiming, so either we see its
+        # start here or it sees the flag and does not run (no call is reported NOT_EXECUTED and run).
+        store.cancel(cancel_scope(record.turn_id, dc.key), self.runtime.settings.result_ttl)
+        self.app.control.revoke(dc.task_id)
+        if not store.started(dc.key):
+            return errors.error_result(dc.call, errors.not_executed(dc.call, reason))
+        spec = self.registry[dc.call.name]
+        if spec.side_effect == "unsafe":
+            error = errors.outcome_unknown(dc.call, f"{reason} while it was running")
+        elif reason.startswith("the turn was cancelled"):
+            error = errors.cancelled(dc.call)
+        else:
+            error = errors.timeout(dc.call, max(record.deadline - time.time(), 0) or spec.timeout)
+        self.turns.add_late(
+            record.session_id, LateCall(call=dc.call, key=dc.key, turn_id=record.turn_id, reported=error.code.value)
+        )
+        return errors.error_result(dc.call, error)
+
+    def _late_results(self, session_id: str, exclude_turn: str) -> list[ToolResult]:
+        pending = [late for late in self.turns.late(session_id) if late.turn_id != exclude_turn]
+        if not pending:
+            return []
+        found: list[ToolResult] = []
+        done: list[str] = []
+        for late, raw in zip(pending, self._stored_results([p.key for p in pending]), strict=True):
+            if raw is None:
+                continue
+            result = ToolResult.model_validate_json(raw).model_copy(update={"call_id": late.call.id})
+            found.append(result)
+            done.append(late.key)
+        self.turns.drop_late(session_id, done)
+        return found
+
+    # -- running ------------------------------------------------------------------------------
+
+    def _start(
+        self, session_id: str, calls: list[ToolCall], provider: Provider, turn_id: str | None
+    ) -> tuple[TurnRecord, str | None] | TurnResult:
+        turn_id = turn_id or _digest(session_id, *(c.id for c in calls))
+        done = self.turns.result(session_id, turn_id)
+        if done is not None:
+            return done
+        record = self.turns.record(session_id, turn_id)
+        if record is None:
+            record = self.plan(session_id, turn_id, calls, provider)
+            self.turns.save(record)
+        # A resubmitted chord keeps task ids and keys: stored results return without running again.
+        return record, self._dispatch(record)
+
+    def run_calls(
+        self, session_id: str, calls: list[ToolCall], *, turn_id: str | None = None, provider: Provider = "chat"
+    ) -> TurnResult:
+        """Run already-parsed calls as one turn and wait (blocking) for exactly one result each."""
+        started = self._start(session_id, calls, provider, turn_id)
+        if isinstance(started, TurnResult):
+            return started
+        record, body_id = started
+        if body_id is None:
+            return self._finish(record, [], "")
+        async_result = self.app.AsyncResult(body_id)
+        while True:
+            remaining = record.deadline - time.time()
+            if self.turns.cancelled(session_id, record.turn_id):
+                return self._finish(record, None, "the turn was cancelled")
+            if remaining <= 0:
+                return self._finish(record, None, "the turn's deadline passed")
+            try:
+                value = async_result.get(
+                    timeout=min(remaining, _CANCEL_POLL), interval=0.002, propagate=False, disable_sync_subtasks=False
+                )
+            except CeleryTimeoutError:
+                continue
+            return self._finish(record, value if async_result.status == states.SUCCESS else None,
+                                "the turn's results could not be collected")
+
+    def run_turn(
+        self, session_id: str, assistant_output: Any, provider: Provider = "chat", *, turn_id: str | None = None
+    ) -> TurnResult:
+        """Parse the model's assistant output for `provider` and run its tool calls as one turn."""
+        calls = get_adapter(provider).parse_calls(assistant_output)
+        return self.run_calls(session_id, calls, turn_id=turn_id, provider=provider)
+
+    def _waiter(self) -> ResultWaiter:
+        loop = asyncio.get_running_loop()
+        waiter = self._waiters.get(loop)
+        if waiter is None:
+            backend_url = self.runtime.settings.result_backend
+            waiter = (
+                RedisResultWaiter(backend_url)
+                if backend_url and backend_url.split("://", 1)[0] in ("redis", "rediss")
+                else PollingResultWaiter(self.app)
+            )
+            self._waiters[loop] = waiter
+        return waiter
+
+    async def arun_calls(
+        self, session_id: str, calls: list[ToolCall], *, turn_id: str | None = None, provider: Provider = "chat"
+    ) -> TurnResult:
+        """Async twin of `run_calls`: waits on the event loop, no thread per waiting turn."""
+        started = self._start(session_id, calls, provider, turn_id)
+        if isinstance(started, TurnResult):
+            return started
+        record, body_id = started
+        if body_id is None:
+            return self._finish(record, [], "")
+        waiter = self._waiter()
+        while True:
+            remaining = record.deadline - time.time()
+            if self.turns.cancelled(session_id, record.turn_id):
+                return self._finish(record, None, "the turn was cancelled")
+            if remaining <= 0:
+                return self._finish(record, None, "the turn's deadline passed")
+            meta = await waiter.wait(body_id, min(remaining, _CANCEL_POLL * 4))
+            if meta is not None:
+                value = meta.get("result") if meta.get("status") == states.SUCCESS else None
+                return self._finish(record, value, "the turn's results could not be collected")
+
+    async def arun_turn(
+        self, session_id: str, assistant_output: Any, provider: Provider = "chat", *, turn_id: str | None = None
+    ) -> TurnResult:
+        """Async twin of `run_turn`."""
+        calls = get_adapter(provider).parse_calls(assistant_output)
+        return await self.arun_calls(session_id, calls, turn_id=turn_id, provider=provider)
+
+    def resume(self, session_id: str) -> TurnResult | None:
+        """Finish the session's unfinished turn after a restart (None when there is none).
+
+        Resubmits the same chord: calls whose results are stored return them without running,
+        live ones are waited for, and nothing that already ran runs again.
+        """
+        record = self.turns.active(session_id)
+        if record is None:
+            return None
+        return self.run_calls(session_id, record.calls, turn_id=record.turn_id, provider=record.provider)
+
+    def cancel(self, session_id: str, turn_id: str) -> None:
+        """Stop a turn: its waiting `run_*` returns promptly; unstarted calls will not start."""
+        self.turns.cancel(session_id, turn_id)
+        record = self.turns.record(session_id, turn_id)
+        if record is not None:
+            for dc in record.dispatched:
+                self.runtime.store.cancel(cancel_scope(turn_id, dc.key), self.runtime.settings.result_ttl)
+
+    def close(self) -> None:
+        """Release connections held by this orchestrator."""
+        for loop, waiter in list(self._waiters.items()):
+            if not loop.is_closed() and not loop.is_running():
+                loop.run_until_complete(waiter.close())
+        self._waiters.clear()
+

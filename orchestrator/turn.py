@@ -1,0 +1,76 @@
+"""What a turn is made of: its persisted record (for resume) and its result."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from worker.models import SideEffect, ToolCall, ToolResult
+from worker.registry import Provider
+
+TurnStatus = Literal["running", "done"]
+
+
+class DispatchedCall(BaseModel):
+    """A call that passed the checks and went to the workers."""
+
+    call: ToolCall
+    arguments: dict[str, Any]
+    key: str
+    task_id: str
+    side_effect: SideEffect
+
+
+class TurnRecord(BaseModel):
+    """The persisted plan of a turn: enough to resume it after an orchestrator restart."""
+
+    session_id: str
+    turn_id: str
+    provider: Provider
+    calls: list[ToolCall]
+    early: list[ToolResult] = Field(default_factory=list, description="Results decided before dispatch.")
+    dispatched: list[DispatchedCall] = Field(default_factory=list)
+    groups: list[list[str]] = Field(
+        default_factory=list, description="Header elements: call ids run in order (a resource chain) or alone."
+    )
+    deadline: float
+    status: TurnStatus = "running"
+
+
+class LateCall(BaseModel):
+    """A call whose turn ended before its result: its result is reported in a later turn."""
+
+    call: ToolCall
+    key: str
+    turn_id: str
+    reported: str = Field(description="The error code the model was given when the turn ended.")
+
+
+class TurnResult(BaseModel):
+    """The outcome of one turn: exactly one result per call, in the model's order."""
+
+    session_id: str
+    turn_id: str
+    provider: Provider
+    calls: list[ToolCall]
+    results: list[ToolResult]
+    late_results: list[ToolResult] = Field(
+        default_factory=list,
+        description="Results of earlier turns' calls that finished after their turn had ended.",
+    )
+
+    def to_messages(self) -> list[dict[str, Any]]:
+        """The results as the provider's request messages/items, paired with their calls by id."""
+        from orchestrator.providers import get_adapter
+
+        return get_adapter(self.provider).result_items(self.results)
+
+    def late_results_text(self) -> str | None:
+        """A note for the model about late results (None when there are none)."""
+        if not self.late_results:
+            return None
+        lines = ["Results that arrived after their turn had ended (the earlier report is superseded):"]
+        for result in self.late_results:
+            lines.append(f"- call {result.call_id} ({result.name}): {result.status}\n{result.content}")
+        return "\n".join(lines)

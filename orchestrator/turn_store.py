@@ -1,0 +1,156 @@
+"""Where the orchestrator keeps turn records, turn results, cancel flags and late calls.
+
+Redis when distributed (so another orchestrator process can resume a session), process memory
+when embedded.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import redis
+
+from orchestrator.turn import LateCall, TurnRecord, TurnResult
+
+
+class TurnStore(Protocol):
+    def save(self, record: TurnRecord) -> None: ...
+
+    def active(self, session_id: str) -> TurnRecord | None:
+        """The session's turn that has not finished, if any."""
+        ...
+
+    def record(self, session_id: str, turn_id: str) -> TurnRecord | None: ...
+
+    def finish(self, record: TurnRecord, result: TurnResult) -> None: ...
+
+    def result(self, session_id: str, turn_id: str) -> TurnResult | None: ...
+
+    def cancel(self, session_id: str, turn_id: str) -> None: ...
+
+    def cancelled(self, session_id: str, turn_id: str) -> bool: ...
+
+    def add_late(self, session_id: str, late: LateCall) -> None: ...
+
+    def late(self, session_id: str) -> list[LateCall]: ...
+
+    def drop_late(self, session_id: str, keys: list[str]) -> None: ...
+
+
+class RedisTurnStore:
+    """Turn state in Redis under `toolchord:turn:*` and `toolchord:late:*`, expiring with the TTL."""
+
+    def __init__(self, client: redis.Redis, ttl: int) -> None:
+        self.redis = client
+        self.ttl = ttl
+
+    @staticmethod
+    def _key(session_id: str, turn_id: str, part: str = "record") -> str:
+        return f"toolchord:turn:{session_id}:{turn_id}:{part}"
+
+    def save(self, record: TurnRecord) -> None:
+        pipe = self.redis.pipeline()
+        pipe.set(self._key(record.session_id, record.turn_id), record.model_dump_json(), ex=self.ttl)
+        pipe.set(f"toolchord:turn:{record.session_id}:active", record.turn_id, ex=self.ttl)
+        pipe.execute()
+
+    def active(self, session_id: str) -> TurnRecord | None:
+        turn_id = self.redis.get(f"toolchord:turn:{session_id}:active")
+        return self.record(session_id, turn_id.decode()) if turn_id else None
+
+    def record(self, session_id: str, turn_id: str) -> TurnRecord | None:
+        raw = self.redis.get(self._key(session_id, turn_id))
+        return TurnRecord.model_validate_json(raw) if raw else None
+
+    def finish(self, record: TurnRecord, result: TurnResult) -> None:
+        done = record.model_copy(update={"status": "done"})
+        pipe = self.redis.pipeline()
+        pipe.set(self._key(record.session_id, record.turn_id), done.model_dump_json(), ex=self.ttl)
+        pipe.set(self._key(record.session_id, record.turn_id, "result"), result.model_dump_json(), ex=self.ttl)
+        pipe.delete(f"toolchord:turn:{record.session_id}:active")
+        pipe.execute()
+
+    def result(self, session_id: str, turn_id: str) -> TurnResult | None:
+        raw = self.redis.get(self._key(session_id, turn_id, "result"))
+        return TurnResult.model_validate_json(raw) if raw else None
+
+    def cancel(self, session_id: str, turn_id: str) -> None:
+        self.redis.set(self._key(session_id, turn_id, "cancel"), "1", ex=self.ttl)
+
+    def cancelled(self, session_id: str, turn_id: str) -> bool:
+        return bool(self.redis.exists(self._key(session_id, turn_id, "cancel")))
+
+    def add_late(self, session_id: str, late: LateCall) -> None:
+        pipe = self.redis.pipeline()
+        pipe.hset(f"toolchord:late:{session_id}", late.key, late.model_dump_json())
+        pipe.expire(f"toolchord:late:{session_id}", self.ttl)
+        pipe.execute()
+
+    def late(self, session_id: str) -> list[LateCall]:
+        values = self.redis.hvals(f"toolchord:late:{session_id}")
+        return [LateCall.model_validate_json(v) for v in values]
+
+    def drop_late(self, session_id: str, keys: list[str]) -> None:
+        if keys:
+            self.redis.hdel(f"toolchord:late:{session_id}", *keys)
+
+
+class MemoryTurnStore:
+    """The same in process memory, for the embedded mode."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: dict[tuple[str, str], TurnRecord] = {}
+        self._active: dict[str, str] = {}
+        self._results: dict[tuple[str, str], TurnResult] = {}
+        self._cancelled: set[tuple[str, str]] = set()
+        self._late: dict[str, dict[str, LateCall]] = {}
+
+    def save(self, record: TurnRecord) -> None:
+        with self._lock:
+            self._records[(record.session_id, record.turn_id)] = record
+            self._active[record.session_id] = record.turn_id
+
+    def active(self, session_id: str) -> TurnRecord | None:
+        with self._lock:
+            turn_id = self._active.get(session_id)
+            return self._records.get((session_id, turn_id)) if turn_id else None
+
+    def record(self, session_id: str, turn_id: str) -> TurnRecord | None:
+        with self._lock:
+            return self._records.get((session_id, turn_id))
+
+    def finish(self, record: TurnRecord, result: TurnResult) -> None:
+        with self._lock:
+            key = (record.session_id, record.turn_id)
+            self._records[key] = record.model_copy(update={"status": "done"})
+            self._results[key] = result
+            if self._active.get(record.session_id) == record.turn_id:
+                del self._active[record.session_id]
+
+    def result(self, session_id: str, turn_id: str) -> TurnResult | None:
+        with self._lock:
+            return self._results.get((session_id, turn_id))
+
+    def cancel(self, session_id: str, turn_id: str) -> None:
+        with self._lock:
+            self._cancelled.add((session_id, turn_id))
+
+    def cancelled(self, session_id: str, turn_id: str) -> bool:
+        with self._lock:
+            return (session_id, turn_id) in self._cancelled
+
+    def add_late(self, session_id: str, late: LateCall) -> None:
+        with self._lock:
+            self._late.setdefault(session_id, {})[late.key] = late
+
+    def late(self, session_id: str) -> list[LateCall]:
+        with self._lock:
+            return list(self._late.get(session_id, {}).values())
+
+    def drop_late(self, session_id: str, keys: list[str]) -> None:
+        with self._lock:
+            pending = self._late.get(session_id, {})
+            for key in keys:
+                pending.pop(key, None)

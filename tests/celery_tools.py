@@ -1,0 +1,96 @@
+"""Tools the distributed tests run on real workers. Side effects are counted in Redis."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+
+from worker import tool
+
+# Captured at import in the worker: the sandbox scrubs the environment before handlers run.
+_REDIS_URL = os.environ.get("TOOLCHORD_REDIS_URL") or os.environ.get("TOOLCHORD_BROKER_URL", "")
+WORKER_NAME = os.environ.get("TC_TEST_WORKER", "")
+
+
+def ledger() -> redis.Redis:
+    return redis.Redis.from_url(_REDIS_URL)
+
+
+@tool(side_effect="read")
+def echo(text: str) -> str:
+    """Return the text."""
+    return text
+
+
+@tool(side_effect="read", timeout=1.0)
+def slow(seconds: float) -> str:
+    """Sleep, then say so."""
+    time.sleep(seconds)
+    return f"slept {seconds}"
+
+
+@tool(side_effect="read", max_retries=3)
+def flaky_read(key: str, failures: int) -> int:
+    """Fail with a connection error `failures` times, then succeed."""
+    count = ledger().incr(f"tc-test:attempts:{key}")
+    if count <= failures:
+        raise ConnectionError(f"attempt {count} failed")
+    return count
+
+
+@tool(side_effect="unsafe", max_retries=3)
+def flaky_unsafe(key: str, failures: int) -> int:
+    """Act, then fail with a connection error `failures` times."""
+    count = ledger().incr(f"tc-test:attempts:{key}")
+    if count <= failures:
+        raise ConnectionError(f"attempt {count} failed")
+    return count
+
+
+@tool(side_effect="read", resource=lambda args: args["resource"])
+def serial_step(resource: str, label: str) -> str:
+    """Record start and end of a step on a shared resource."""
+    client = ledger()
+    client.rpush(f"tc-test:steps:{resource}", f"start:{label}")
+    time.sleep(0.2)
+    client.rpush(f"tc-test:steps:{resource}", f"end:{label}")
+    return label
+
+
+@tool(side_effect="read", queue="b")
+def where(x: int) -> str:
+    """Say which worker ran the call."""
+    return f"{WORKER_NAME}:{x}"
+
+
+def _effect(key: str, seconds: float) -> int:
+    count = ledger().incr(f"tc-test:effects:{key}")
+    time.sleep(seconds)
+    return count
+
+
+@tool(side_effect="read", timeout=30)
+def effect_read(key: str, seconds: float = 0.0) -> int:
+    """Count a side effect, then take a while."""
+    return _effect(key, seconds)
+
+
+@tool(side_effect="idempotent", timeout=30)
+def effect_idempotent(key: str, seconds: float = 0.0) -> int:
+    """Count a side effect, then take a while."""
+    return _effect(key, seconds)
+
+
+@tool(side_effect="unsafe", timeout=30)
+def effect_unsafe(key: str, seconds: float = 0.0) -> int:
+    """Count a side effect, then take a while."""
+    return _effect(key, seconds)
+
+
+@tool(side_effect="unsafe", timeout=30, idempotency_key=lambda args: args["order_id"])
+def charge(order_id: str, cents: int) -> str:
+    """Charge an order once per order id."""
+    count = ledger().incr(f"tc-test:charges:{order_id}")
+    return f"charged {cents} for {order_id} (charge #{count})"

@@ -1,0 +1,253 @@
+"""Tools that misbehave on purpose, for the sandbox tests (defined at module level, as users do)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+
+from worker import SandboxProfile, ToolContext, tool
+
+FAST = SandboxProfile(memory_mb=256, max_processes=32)
+NO_NET = SandboxProfile(network=False)
+
+
+@tool(timeout=5, sandbox=FAST)
+def add(a: int, b: int) -> int:
+    """Add two numbers."""
+    return a + b
+
+
+@tool(timeout=5)
+async def async_echo(text: str) -> str:
+    """Echo text after an await."""
+    await asyncio.sleep(0.01)
+    return text.upper()
+
+
+@tool(timeout=5)
+def where_am_i(ctx: ToolContext) -> dict[str, object]:
+    """Report the working directory and write a file there."""
+    assert ctx.workdir is not None
+    with open(os.path.join(ctx.workdir, "note.txt"), "w") as note:
+        note.write("hello")
+    return {
+        "workdir": ctx.workdir,
+        "cwd": os.getcwd(),
+        "pid": os.getpid(),
+        "uid": os.getuid(),
+    }
+
+
+@tool(timeout=5)
+def read_file(path: str) -> str:
+    """Read a file."""
+    with open(path) as handle:
+        return handle.read()
+
+
+@tool(timeout=5)
+def write_file(path: str, text: str) -> str:
+    """Write a file."""
+    with open(path, "w") as handle:
+        handle.write(text)
+    return "written"
+
+
+@tool(timeout=5, sandbox=NO_NET)
+def connect(host: str, port: int) -> str:
+    """Open a TCP connection."""
+    with socket.create_connection((host, port), timeout=1):
+        return "connected"
+
+
+@tool(timeout=5, sandbox=NO_NET)
+def send_udp(host: str, port: int) -> str:
+    """Send a UDP datagram."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.sendto(b"x", (host, port))
+    return "sent"
+
+
+@tool(timeout=5)
+def connect_open(host: str, port: int) -> str:
+    """Open a TCP connection with the network allowed."""
+    with socket.create_connection((host, port), timeout=1):
+        return "connected"
+
+
+@tool(timeout=5)
+def environment(ppid: int) -> dict[str, object]:
+    """Report the environment and try the worker's."""
+    result: dict[str, object] = {"environ": dict(os.environ)}
+    for name, path in (
+        ("parent", f"/proc/{ppid}/environ"),
+        ("self", "/proc/self/environ"),
+    ):
+        try:
+            with open(path, "rb") as handle:
+                result[name] = handle.read().decode("latin-1")
+        except OSError as exc:
+            result[name] = f"denied: {type(exc).__name__}"
+    return result
+
+
+@tool(timeout=5, sandbox=SandboxProfile(max_processes=16))
+def fork_bomb() -> str:
+    """Fork until something stops it."""
+    while True:
+        os.fork()
+
+
+@tool(timeout=5, sandbox=SandboxProfile(memory_mb=256))
+def allocate(gib: int) -> int:
+    """Allocate memory."""
+    block = bytearray(gib * 1024 * 1024 * 1024)
+    return len(block)
+
+
+@tool(timeout=1)
+def spin() -> None:
+    """Burn CPU forever."""
+    while True:
+        pass
+
+
+@tool(timeout=5, sandbox=SandboxProfile(cpu_seconds=1))
+def spin_cpu_limited() -> None:
+    """Burn CPU until RLIMIT_CPU stops it."""
+    while True:
+        pass
+
+
+@tool(timeout=1)
+def sleep_forever() -> None:
+    """Print something, then block forever."""
+    print("going to sleep", flush=True)
+    time.sleep(3600)
+
+
+@tool(timeout=1)
+def sleep_ignoring_term() -> None:
+    """Ignore SIGTERM and block forever."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(3600)
+
+
+@tool(timeout=10)
+def flood_stdout() -> str:
+    """Write 1 GiB to stdout."""
+    chunk = "x" * (1024 * 1024)
+    for _ in range(1024):
+        sys.stdout.write(chunk)
+    return "done"
+
+
+@tool(timeout=5)
+def chatty() -> str:
+    """Print a little and return."""
+    print("line one")
+    print("line two", file=sys.stderr)
+    return "ok"
+
+
+@tool(timeout=5)
+def die_by_signal() -> None:
+    """Kill itself with SIGSEGV."""
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+@tool(timeout=5)
+def exit_quietly() -> None:
+    """Exit without a result."""
+    os._exit(3)
+
+
+@tool(timeout=5)
+def garbage_result() -> None:
+    """Write garbage on the result pipe, then exit."""
+    os.write(3, b"\x00not json{")
+    os._exit(0)
+
+
+@tool(timeout=5)
+def huge_result() -> str:
+    """Return more than the result limit."""
+    return "y" * (20 * 1024 * 1024)
+
+
+@tool(timeout=5)
+def lazy_import() -> str:
+    """Import stdlib modules that the worker has not imported."""
+    import colorsys
+    import email.mime.text
+    import fractions
+
+    return f"{colorsys.rgb_to_hsv(1, 0, 0)} {fractions.Fraction(1, 3)} {email.mime.text.MIMEText('x')['Content-Type']}"
+
+
+@tool(timeout=5)
+def run_shell(command: str) -> str:
+    """Run a shell command."""
+    import subprocess
+
+    return subprocess.run(
+        ["/bin/sh", "-c", command], capture_output=True, text=True, check=False
+    ).stdout
+
+
+@tool(timeout=5, sandbox=SandboxProfile(isolate=False))
+def in_process() -> int:
+    """Return the pid of the process running it."""
+    return os.getpid()
+
+
+@tool(timeout=5, sandbox=SandboxProfile(isolate=False, required=frozenset({"seccomp"})))
+def in_process_requires() -> int:
+    """Cannot run: requires a layer yet runs in-process."""
+    return 1
+
+
+@tool(timeout=5, cancellable=True)
+def wait_for_cancel(ctx: ToolContext) -> str:
+    """Poll the cancel flag."""
+    deadline = time.monotonic() + 4
+    while time.monotonic() < deadline:
+        if ctx.cancelled:
+            return "saw cancel"
+        time.sleep(0.02)
+    return "no cancel"
+
+
+@tool(timeout=5, cancellable=True)
+def ignore_cancel() -> str:
+    """Sleep without looking at the cancel flag."""
+    time.sleep(4)
+    return "finished"
+
+
+def make_context(name: str, cancel_after: float | None = None) -> ToolContext:
+    """A context for one test call; optionally reporting cancellation after some seconds."""
+    context = ToolContext(
+        call_id=f"call-{name}",
+        session_id="session-test",
+        tool_name=name,
+        idempotency_key=f"key-{name}",
+        deadline=time.time() + 30,
+    )
+    if cancel_after is not None:
+        cancel_at = time.monotonic() + cancel_after
+        context.bind_cancel_check(lambda: time.monotonic() >= cancel_at)
+    return context
+
+
+def run_in_pool_child(name: str) -> tuple[str, str | None, int]:
+    """Run a tool through run_isolated from inside a (daemonic) pool process; for pool tests."""
+    from worker.sandbox import run_isolated
+
+    spec = globals()[name]
+    outcome = run_isolated(spec, spec.args_model(), make_context(name))
+    return outcome.status, outcome.content, os.getpid()

@@ -1,0 +1,83 @@
+"""toolchord configuration from the environment (shared/DESIGN.md section 9).
+
+Every URL can also come from a file named by `<VARIABLE>_FILE` (Docker/Kubernetes secrets), so
+passwords need not sit in the environment or on a command line.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+
+class ConfigError(ValueError):
+    """The configuration cannot work (for example pickle requested, or a missing secret file)."""
+
+
+def _read(env: Mapping[str, str], name: str) -> str | None:
+    file_name = env.get(f"{name}_FILE")
+    if file_name:
+        try:
+            return Path(file_name).read_text().strip() or None
+        except OSError as exc:
+            raise ConfigError(f"{name}_FILE={file_name!r} cannot be read: {exc.strerror}") from exc
+    return env.get(name) or None
+
+
+def _is_redis(url: str | None) -> bool:
+    return bool(url) and url.split("://", 1)[0] in ("redis", "rediss", "unix")
+
+
+class Settings(BaseModel):
+    """Resolved settings. `embedded` is True when no broker is configured."""
+
+    broker_url: str | None = None
+    result_backend: str | None = None
+    redis_url: str | None = None
+    tool_modules: tuple[str, ...] = ()
+    default_queue: str = "toolchord"
+    visibility_timeout: int = Field(default=3600, gt=0)
+    result_ttl: int = Field(default=86400, gt=0)
+    claim_lease: float = Field(default=15.0, gt=0, description="Seconds a claim lives without renewal.")
+    sandbox_uid: int = 65534
+    log_dir: str = ".toolchord/logs"
+
+    @property
+    def embedded(self) -> bool:
+        return self.broker_url is None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Read TOOLCHORD_* variables (see docs/configuration.md)."""
+        env = os.environ if env is None else env
+        broker = _read(env, "TOOLCHORD_BROKER_URL")
+        redis_url = _read(env, "TOOLCHORD_REDIS_URL") or (broker if _is_redis(broker) else None)
+        backend = _read(env, "TOOLCHORD_RESULT_BACKEND") or redis_url
+        if broker and not backend:
+            raise ConfigError(
+                "TOOLCHORD_BROKER_URL is not Redis, so set TOOLCHORD_RESULT_BACKEND or TOOLCHORD_REDIS_URL: "
+                "chords need a result backend"
+            )
+        if broker and not redis_url:
+            raise ConfigError("set TOOLCHORD_REDIS_URL: idempotency claims and results need Redis")
+        modules = tuple(m.strip() for m in env.get("TOOLCHORD_TOOL_MODULES", "").split(",") if m.strip())
+        values: dict[str, object] = {
+            "broker_url": broker,
+            "result_backend": backend,
+            "redis_url": redis_url,
+            "tool_modules": modules,
+        }
+        for field, var in (
+            ("default_queue", "TOOLCHORD_DEFAULT_QUEUE"),
+            ("visibility_timeout", "TOOLCHORD_VISIBILITY_TIMEOUT"),
+            ("result_ttl", "TOOLCHORD_RESULT_TTL"),
+            ("claim_lease", "TOOLCHORD_CLAIM_LEASE"),
+            ("sandbox_uid", "TOOLCHORD_SANDBOX_UID"),
+            ("log_dir", "TOOLCHORD_LOG_DIR"),
+        ):
+            if env.get(var):
+                values[field] = env[var]
+        return cls.model_validate(values)

@@ -1,0 +1,157 @@
+"""Structured tool errors and the model-facing text for each (shared/DESIGN.md section 2).
+
+Every error says what went wrong, shows the offending input (redacted, bounded) and how to fix
+it, in one fixed layout the model learns quickly:
+
+    <CODE>: <what went wrong>
+    Input: <excerpt>
+    Fix: <how to fix it>
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from worker.models import ErrorCode, ToolCall, ToolError, ToolResult
+from worker.redaction import excerpt
+
+_VERIFY = "Do not retry blindly: check whether the action took effect (for example by reading its state) before calling again."
+
+
+def render(error: ToolError) -> str:
+    """The text the model reads for an error."""
+    lines = [f"{error.code.value}: {error.message}"]
+    if error.input_excerpt:
+        lines.append(f"Input: {error.input_excerpt}")
+    if error.hint:
+        lines.append(f"Fix: {error.hint}")
+    return "\n".join(lines)
+
+
+def error_result(
+    call: ToolCall, error: ToolError, *, attempts: int = 0, duration_ms: float = 0.0, output: str = ""
+) -> ToolResult:
+    """A ToolResult carrying `error`; `output` (what the handler printed so far) follows the error text."""
+    content = render(error)
+    if output:
+        content = f"{content}\nOutput before the error:\n{output}"
+    return ToolResult(
+        call_id=call.id,
+        name=call.name,
+        status="error",
+        content=content,
+        error=error,
+        attempts=attempts,
+        duration_ms=duration_ms,
+    )
+
+
+def unknown_tool(call: ToolCall, available: Sequence[str]) -> ToolError:
+    """`available` is ordered closest name first (Registry.closest)."""
+    listed = ", ".join(available) if available else "(none)"
+    close = difflib.get_close_matches(call.name, available, n=1, cutoff=0.6)
+    suggestion = f" (did you mean {close[0]!r}?)" if close else ""
+    return ToolError(
+        code=ErrorCode.UNKNOWN_TOOL,
+        message=f"there is no tool named {call.name!r}. Available tools: {listed}.",
+        hint=f"Call one of the available tools by its exact name{suggestion}.",
+        input_excerpt=excerpt(call.name, 120),
+    )
+
+
+def invalid_json(call: ToolCall, problem: json.JSONDecodeError | str) -> ToolError:
+    if isinstance(problem, json.JSONDecodeError):
+        where = f"{problem.msg} at line {problem.lineno} column {problem.colno} (char {problem.pos})"
+    else:
+        where = problem
+    return ToolError(
+        code=ErrorCode.INVALID_JSON,
+        message=f"the arguments for {call.name!r} are not a JSON object: {where}.",
+        hint="Send the arguments as one JSON object matching the tool's parameters, e.g. {\"field\": \"value\"}.",
+        input_excerpt=excerpt(call.arguments_raw),
+    )
+
+
+def invalid_arguments(call: ToolCall, exc: ValidationError) -> ToolError:
+    lines = []
+    for err in exc.errors(include_url=False):
+        field = ".".join(str(part) for part in err["loc"]) or "(arguments)"
+        if err["type"] == "missing":
+            lines.append(f"- {field}: required field is missing")
+        elif err["type"] == "extra_forbidden":
+            lines.append(f"- {field}: unexpected field (not a parameter of this tool)")
+        else:
+            lines.append(f"- {field}: {err['msg']} (got {excerpt(err.get('input'), 80)})")
+    return ToolError(
+        code=ErrorCode.INVALID_ARGUMENTS,
+        message=f"the arguments for {call.name!r} do not match its parameters:\n" + "\n".join(lines),
+        hint="Correct the listed fields and call the tool again; the parameter schema is in the tool declaration.",
+        input_excerpt=excerpt(call.arguments if call.arguments is not None else call.arguments_raw),
+    )
+
+
+def permission_denied(call: ToolCall, reason: str) -> ToolError:
+    return ToolError(
+        code=ErrorCode.PERMISSION_DENIED,
+        message=f"the call to {call.name!r} was refused before it ran: {reason}",
+        hint="Do not retry this call as is; ask the user for approval or choose another approach.",
+        input_excerpt=excerpt(call.arguments_raw),
+    )
+
+
+def timeout(call: ToolCall, seconds: float) -> ToolError:
+    return ToolError(
+        code=ErrorCode.TIMEOUT,
+        message=f"{call.name!r} did not finish within its {seconds:g} s limit and was stopped.",
+        hint="Retry with a smaller request (narrower query, fewer items), or try a different approach.",
+        input_excerpt=excerpt(call.arguments_raw),
+    )
+
+
+def execution_error(call: ToolCall, error_type: str, message: str) -> ToolError:
+    return ToolError(
+        code=ErrorCode.EXECUTION_ERROR,
+        message=f"{call.name!r} failed: {error_type}: {excerpt(message, 1000)}",
+        hint="Check the arguments against the error; retry only if a change to them can help.",
+        input_excerpt=excerpt(call.arguments_raw),
+    )
+
+
+def outcome_unknown(call: ToolCall, reason: str) -> ToolError:
+    return ToolError(
+        code=ErrorCode.OUTCOME_UNKNOWN,
+        message=f"{call.name!r} started but its end was not observed ({reason}); it may or may not have taken effect.",
+        hint=_VERIFY,
+        input_excerpt=excerpt(call.arguments_raw),
+    )
+
+
+def not_executed(call: ToolCall, reason: str) -> ToolError:
+    return ToolError(
+        code=ErrorCode.NOT_EXECUTED,
+        message=f"{call.name!r} was not run: {reason}.",
+        hint="It had no effect; call it again if it is still needed.",
+        input_excerpt=excerpt(call.arguments_raw),
+    )
+
+
+def aborted(call: ToolCall) -> ToolError:
+    return ToolError(
+        code=ErrorCode.ABORTED,
+        message=f"{call.name!r} has no recorded result: the conversation was restored after an interruption.",
+        hint=_VERIFY,
+        input_excerpt=excerpt(call.arguments_raw),
+    )
+
+
+def cancelled(call: ToolCall) -> ToolError:
+    return ToolError(
+        code=ErrorCode.CANCELLED,
+        message=f"{call.name!r} was cancelled while running.",
+        hint="Call it again if it is still needed; if it changes anything, check its effect first.",
+        input_excerpt=excerpt(call.arguments_raw),
+    )

@@ -1,0 +1,283 @@
+"""Idempotency keys and the claim protocol (shared/DESIGN.md section 5).
+
+A worker claims a call's key (atomic set-if-absent with a lease it renews while the handler runs)
+before any side effect, and stores the final result under the key before the task is acknowledged.
+Each key has up to four records:
+
+- `result`  the final ToolResult JSON, kept for the result TTL (or the tool's dedupe window);
+- `claim`   the live owner's token, expiring with the lease unless renewed;
+- `started` set when a claim is taken and kept with the result TTL: a later claimer that finds it
+            knows an earlier attempt began and may have acted (worker lost);
+- `cancel`  a cooperative cancel flag the orchestrator sets; a worker that sees it does not start.
+
+`RedisIdempotencyStore` is the distributed one (Lua scripts keep each step atomic);
+`MemoryIdempotencyStore` serves the embedded mode, where worker and orchestrator share a process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from enum import Enum
+from typing import Any, Protocol
+
+import redis
+from pydantic import BaseModel
+
+from worker.tools import ToolSpec
+
+PREFIX = "toolchord:idem:"
+
+
+def idempotency_key(spec: ToolSpec, session_id: str, call_id: str, arguments: dict[str, Any]) -> str:
+    """The call's key: the tool's business key when it declares one, else session + call id.
+
+    A business key dedupes the same action across turns (the model re-issuing a payment), so it
+    is scoped by tool name only; the default key is unique per call of a session.
+    """
+    if spec.idempotency_key is not None:
+        material = f"biz\0{spec.name}\0{spec.idempotency_key(arguments)}"
+    else:
+        material = f"call\0{session_id}\0{call_id}"
+    return hashlib.sha256(material.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+
+
+class ClaimState(str, Enum):
+    CLAIMED = "claimed"  # first attempt: run the handler
+    RECLAIMED = "reclaimed"  # an earlier attempt started and its claim expired: it may have acted
+    STORED = "stored"  # a result is stored: return it without running
+    BUSY = "busy"  # another attempt holds a live claim: wait
+
+
+class Claim(BaseModel):
+    state: ClaimState
+    result_json: str | None = None
+
+
+class IdempotencyStore(Protocol):
+    """Claims and results by idempotency key."""
+
+    def claim(self, key: str, token: str, lease: float, ttl: int) -> Claim: ...
+
+    def renew(self, key: str, token: str, lease: float) -> bool: ...
+
+    def complete(self, key: str, token: str, result_json: str, ttl: int) -> str:
+        """Store the result unless one is stored already (first wins); release the claim.
+
+        Returns the stored result, so a late duplicate reports what the first attempt reported.
+        """
+        ...
+
+    def release(self, key: str, token: str, *, forget_start: bool) -> None:
+        """Give the claim up without a result (before a retry); `forget_start` when nothing ran."""
+        ...
+
+    def result(self, key: str) -> str | None: ...
+
+    def results(self, keys: list[str]) -> list[str | None]: ...
+
+    def started(self, key: str) -> bool: ...
+
+    def cancel(self, key: str, ttl: int) -> None: ...
+
+    def cancelled(self, key: str) -> bool: ...
+
+
+_CLAIM = """
+local result = redis.call('GET', KEYS[1])
+if result then return {'stored', result} end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local before = redis.call('GET', KEYS[3])
+  redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[3])
+  if before then return {'reclaimed', false} end
+  return {'claimed', false}
+end
+return {'busy', false}
+"""
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+_COMPLETE = """
+redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ARGV[3])
+if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+return redis.call('GET', KEYS[1])
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  if ARGV[2] == '1' then redis.call('DEL', KEYS[2]) end
+end
+return 0
+"""
+
+
+def _keys(key: str) -> tuple[str, str, str, str]:
+    base = PREFIX + key
+    return f"{base}:result", f"{base}:claim", f"{base}:started", f"{base}:cancel"
+
+
+class RedisIdempotencyStore:
+    """The claim protocol on Redis; every step is one atomic script."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.redis = client
+        self._claim = client.register_script(_CLAIM)
+        self._renew = client.register_script(_RENEW)
+        self._complete = client.register_script(_COMPLETE)
+        self._release = client.register_script(_RELEASE)
+
+    @classmethod
+    def from_url(cls, url: str) -> RedisIdempotencyStore:
+        return cls(redis.Redis.from_url(url, health_check_interval=30))
+
+    def claim(self, key: str, token: str, lease: float, ttl: int) -> Claim:
+        result_key, claim_key, started_key, _ = _keys(key)
+        state, value = self._claim(
+            keys=[result_key, claim_key, started_key], args=[token, int(lease * 1000), ttl]
+        )
+        return Claim(state=ClaimState(state.decode()), result_json=value.decode() if value else None)
+
+    def renew(self, key: str, token: str, lease: float) -> bool:
+        return bool(self._renew(keys=[_keys(key)[1]], args=[token, int(lease * 1000)]))
+
+    def complete(self, key: str, token: str, result_json: str, ttl: int) -> str:
+        result_key, claim_key, _, _ = _keys(key)
+        return self._complete(keys=[result_key, claim_key], args=[token, result_json, ttl]).decode()
+
+    def release(self, key: str, token: str, *, forget_start: bool) -> None:
+        _, claim_key, started_key, _ = _keys(key)
+        self._release(keys=[claim_key, started_key], args=[token, "1" if forget_start else "0"])
+
+    def result(self, key: str) -> str | None:
+        value = self.redis.get(_keys(key)[0])
+        return value.decode() if value is not None else None
+
+    def results(self, keys: list[str]) -> list[str | None]:
+        """Stored results for many keys in one round trip."""
+        if not keys:
+            return []
+        return [v.decode() if v is not None else None for v in self.redis.mget([_keys(k)[0] for k in keys])]
+
+    def started(self, key: str) -> bool:
+        return bool(self.redis.exists(_keys(key)[2]))
+
+    def cancel(self, key: str, ttl: int) -> None:
+        self.redis.set(_keys(key)[3], "1", ex=ttl)
+
+    def cancelled(self, key: str) -> bool:
+        return bool(self.redis.exists(_keys(key)[3]))
+
+
+class MemoryIdempotencyStore:
+    """The same protocol in process memory, for the embedded mode and its in-process worker."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, tuple[str, float]] = {}
+
+    def _get(self, name: str) -> str | None:
+        entry = self._values.get(name)
+        if entry is None:
+            return None
+        if entry[1] < time.monotonic():
+            del self._values[name]
+            return None
+        return entry[0]
+
+    def _set(self, name: str, value: str, seconds: float) -> None:
+        self._values[name] = (value, time.monotonic() + seconds)
+
+    def claim(self, key: str, token: str, lease: float, ttl: int) -> Claim:
+        result_key, claim_key, started_key, _ = _keys(key)
+        with self._lock:
+            stored = self._get(result_key)
+            if stored is not None:
+                return Claim(state=ClaimState.STORED, result_json=stored)
+            if self._get(claim_key) is not None:
+                return Claim(state=ClaimState.BUSY)
+            before = self._get(started_key)
+            self._set(claim_key, token, lease)
+            self._set(started_key, token, ttl)
+            return Claim(state=ClaimState.RECLAIMED if before else ClaimState.CLAIMED)
+
+    def renew(self, key: str, token: str, lease: float) -> bool:
+        claim_key = _keys(key)[1]
+        with self._lock:
+            if self._get(claim_key) != token:
+                return False
+            self._set(claim_key, token, lease)
+            return True
+
+    def complete(self, key: str, token: str, result_json: str, ttl: int) -> str:
+        result_key, claim_key, _, _ = _keys(key)
+        with self._lock:
+            stored = self._get(result_key)
+            if stored is None:
+                self._set(result_key, result_json, ttl)
+                stored = result_json
+            if self._get(claim_key) == token:
+                del self._values[claim_key]
+            return stored
+
+    def release(self, key: str, token: str, *, forget_start: bool) -> None:
+        _, claim_key, started_key, _ = _keys(key)
+        with self._lock:
+            if self._get(claim_key) == token:
+                del self._values[claim_key]
+                if forget_start:
+                    self._values.pop(started_key, None)
+
+    def result(self, key: str) -> str | None:
+        with self._lock:
+            return self._get(_keys(key)[0])
+
+    def results(self, keys: list[str]) -> list[str | None]:
+        return [self.result(k) for k in keys]
+
+    def started(self, key: str) -> bool:
+        with self._lock:
+            return self._get(_keys(key)[2]) is not None
+
+    def cancel(self, key: str, ttl: int) -> None:
+        with self._lock:
+            self._set(_keys(key)[3], "1", ttl)
+
+    def cancelled(self, key: str) -> bool:
+        with self._lock:
+            return self._get(_keys(key)[3]) is not None
+
+
+class LeaseKeeper:
+    """Renews a claim in the background while the handler runs (context manager)."""
+
+    def __init__(self, store: IdempotencyStore, key: str, token: str, lease: float) -> None:
+        self._store, self._key, self._token, self._lease = store, key, token, lease
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{key[:8]}", daemon=True)
+        self.lost = False
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._lease / 3):
+            try:
+                if not self._store.renew(self._key, self._token, self._lease):
+                    self.lost = True
+                    return
+            except redis.RedisError:
+                # A blip in Redis: keep trying until the lease would have run out anyway.
+                continue
+
+    def __enter__(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self._lease)
+

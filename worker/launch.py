@@ -1,0 +1,110 @@
+"""`toolchord worker` and `toolchord flower`: Celery's own commands on toolchord's app.
+
+Both replace the current process with `celery -A worker.celery_app:app ...` so signals, pool
+management and Flower behave exactly as Celery documents them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from collections.abc import Sequence
+
+from worker.config import ConfigError, Settings
+
+APP = "worker.celery_app:app"
+
+
+def _exec_celery(args: list[str], env: dict[str, str]) -> None:
+    command = [sys.executable, "-m", "celery", "-A", APP, *args]
+    os.execvpe(sys.executable, command, env)
+
+
+def worker_command(argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The `celery worker` arguments and environment for `toolchord worker` (exposed for tests)."""
+    parser = argparse.ArgumentParser(prog="toolchord worker", description="Start a toolchord Celery worker.")
+    parser.add_argument("--tools", help="comma-separated tool modules (default: $TOOLCHORD_TOOL_MODULES)")
+    parser.add_argument("-Q", "--queues", help="queues to consume (default: every queue the tools use)")
+    parser.add_argument("-c", "--concurrency", type=int, help="pool processes (default: CPU count)")
+    parser.add_argument("-n", "--hostname", help="worker node name")
+    parser.add_argument("--loglevel", default="INFO")
+    known, extra = parser.parse_known_args(argv)
+    env = dict(os.environ if env is None else env)
+    if known.tools:
+        env["TOOLCHORD_TOOL_MODULES"] = known.tools
+    settings = Settings.from_env(env)
+    if settings.embedded:
+        raise ConfigError("toolchord worker needs TOOLCHORD_BROKER_URL: embedded mode runs its worker in-process")
+    args = ["worker", "--pool", "prefork", "--loglevel", known.loglevel, "--task-events"]
+    if known.queues:
+        args += ["--queues", known.queues]
+    else:
+        from worker.celery_app import queues_of
+        from worker.registry import Registry
+
+        args += ["--queues", ",".join(sorted(queues_of(Registry.from_modules(settings.tool_modules), settings)))]
+    if known.concurrency:
+        args += ["--concurrency", str(known.concurrency)]
+    if known.hostname:
+        args += ["--hostname", known.hostname]
+    return args + list(extra), env
+
+
+def run_worker(argv: Sequence[str] | None = None) -> int:
+    """Start a prefork worker with the project's app and tool modules (does not return on success)."""
+    try:
+        args, env = worker_command(argv)
+    except ConfigError as exc:
+        print(f"toolchord worker: {exc}", file=sys.stderr)
+        return 2
+    _exec_celery(args, env)
+    return 0
+
+
+def _is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def flower_command(argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The `celery flower` arguments and environment for `toolchord flower` (exposed for tests).
+
+    Flower shows every call; it is refused on a non-loopback address without authentication.
+    """
+    parser = argparse.ArgumentParser(prog="toolchord flower", description="Start Flower on toolchord's app.")
+    parser.add_argument("--address", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=5555)
+    parser.add_argument("--basic-auth", help="user:password (prefer FLOWER_BASIC_AUTH or FLOWER_BASIC_AUTH_FILE)")
+    known, extra = parser.parse_known_args(argv)
+    env = dict(os.environ if env is None else env)
+    auth = known.basic_auth or env.get("FLOWER_BASIC_AUTH")
+    if not auth and env.get("FLOWER_BASIC_AUTH_FILE"):
+        with open(env["FLOWER_BASIC_AUTH_FILE"]) as handle:
+            auth = handle.read().strip()
+    has_oauth = bool(env.get("FLOWER_AUTH_PROVIDER") or any(a.startswith("--auth") for a in extra))
+    if not auth and not has_oauth and not _is_loopback(known.address):
+        raise ConfigError(
+            f"refusing to serve Flower on {known.address} without authentication: "
+            "set FLOWER_BASIC_AUTH=user:password (or bind to 127.0.0.1)"
+        )
+    if auth:
+        # Through the environment, not argv: a command line is visible to every local user.
+        env["FLOWER_BASIC_AUTH"] = auth
+    return ["flower", f"--address={known.address}", f"--port={known.port}", *extra], env
+
+
+def run_flower(argv: Sequence[str] | None = None) -> int:
+    """Start Flower on toolchord's app (does not return on success)."""
+    try:
+        args, env = flower_command(argv)
+    except (ConfigError, OSError) as exc:
+        print(f"toolchord flower: {exc}", file=sys.stderr)
+        return 2
+    _exec_celery(args, env)
+    return 0

@@ -1,0 +1,81 @@
+"""Redaction of secret-looking values before they reach logs, excerpts or the model.
+
+Keys named like credentials are masked whole; inside free text, bearer tokens, well-known API key
+shapes and `key=value` pairs with credential-like keys are masked. Redaction is deliberately
+over-eager: a false positive costs a masked word, a false negative leaks a secret.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pydantic import SecretBytes, SecretStr
+
+MASK = "[REDACTED]"
+
+_SECRET_KEY = re.compile(
+    r"(pass(word|wd|phrase)?|secret|token|api[-_]?key|apikey|auth(orization)?|credential|"
+    r"private[-_]?key|session[-_]?id|cookie|signature)",
+    re.IGNORECASE,
+)
+_TEXT_PATTERNS = [
+    # "Bearer abc.def" / "Basic xyz=="
+    re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}"),
+    # provider-style keys: sk-..., sk-ant-..., ghp_..., xoxb-..., AKIA...
+    re.compile(r"\b(sk-[A-Za-z0-9_-]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|xox[abpr]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16})\b"),
+    # URLs with credentials: scheme://user:pass@host
+    re.compile(r"(?<=://)[^/\s:@]*:[^/\s@]+(?=@)"),
+]
+_KEY_VALUE = re.compile(
+    r"""(?ix)
+    (?P<key>["']?[\w.-]*(pass(word|wd)?|secret|token|api[-_]?key|apikey|credential)[\w.-]*["']?)
+    (?P<sep>\s*[:=]\s*)
+    (?P<value>"[^"]*"|'[^']*'|[^\s,;&}]+)
+    """
+)
+
+
+def is_secret_key(key: str) -> bool:
+    """True when a field or variable name looks like it holds a credential."""
+    return bool(_SECRET_KEY.search(key))
+
+
+def redact_text(text: str) -> str:
+    """Mask credentials inside free text (tokens, keys, `password=...`, URL credentials)."""
+    for pattern in _TEXT_PATTERNS:
+        text = pattern.sub(MASK, text)
+    return _KEY_VALUE.sub(lambda m: f"{m['key']}{m['sep']}{MASK}", text)
+
+
+def redact(value: Any) -> Any:
+    """Return a copy of a JSON-like value with secrets masked (by key name, type, or shape)."""
+    if isinstance(value, (SecretStr, SecretBytes)):
+        return MASK
+    if isinstance(value, dict):
+        return {
+            key: (MASK if isinstance(key, str) and is_secret_key(key) and val not in (None, "") else redact(val))
+            for key, val in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [redact(item) for item in value]
+    if isinstance(value, str):
+        return redact_text(value)
+    return value
+
+
+def excerpt(raw: Any, limit: int = 300) -> str:
+    """A redacted, bounded excerpt of some input for error messages and logs."""
+    if isinstance(raw, str):
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            text = redact_text(raw)
+        else:
+            text = json.dumps(redact(parsed), ensure_ascii=False) if isinstance(parsed, (dict, list)) else redact_text(raw)
+    else:
+        text = json.dumps(redact(raw), ensure_ascii=False, default=str)
+    if len(text) > limit:
+        return f"{text[:limit]}… ({len(text)} chars)"
+    return text

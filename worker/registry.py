@@ -1,0 +1,107 @@
+"""The registry: the single source of truth for which tools exist and how they are declared."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal
+
+from worker.schema import parameters_schema, strict_compatible
+from worker.tools import ToolSpec, tool
+
+Provider = Literal["chat", "anthropic", "responses"]
+PROVIDERS: tuple[Provider, ...] = ("chat", "anthropic", "responses")
+
+
+class DuplicateToolError(ValueError):
+    """Two tools were registered under one name."""
+
+
+class Registry:
+    """Tools by name. Renders provider declarations and resolves handlers at execution time."""
+
+    def __init__(self, tools: Iterable[ToolSpec | Callable[..., Any]] = ()) -> None:
+        self._tools: dict[str, ToolSpec] = {}
+        for item in tools:
+            self.add(item)
+
+    def add(self, item: ToolSpec | Callable[..., Any]) -> ToolSpec:
+        """Register a ToolSpec (or a plain function, made a tool with default policy)."""
+        spec = item if isinstance(item, ToolSpec) else tool(item)
+        if spec.name in self._tools:
+            raise DuplicateToolError(f"a tool named {spec.name!r} is already registered")
+        self._tools[spec.name] = spec
+        return spec
+
+    def tool(self, fn: Callable[..., Any] | None = None, **options: Any) -> Any:
+        """Decorator: like `worker.tool`, and registers the result here."""
+        if fn is not None:
+            return self.add(tool(fn, **options))
+        return lambda func: self.add(tool(func, **options))
+
+    def merge(self, other: Registry) -> None:
+        """Add every tool of another registry (names must not clash)."""
+        for spec in other:
+            self.add(spec)
+
+    @classmethod
+    def from_modules(cls, modules: Iterable[str]) -> Registry:
+        """Import modules and collect their tools: module-level ToolSpecs and Registry instances."""
+        registry = cls()
+        for module_name in modules:
+            module = importlib.import_module(module_name)
+            for value in vars(module).values():
+                if isinstance(value, Registry):
+                    for spec in value:
+                        if spec.name not in registry:
+                            registry.add(spec)
+                elif isinstance(value, ToolSpec) and value.name not in registry:
+                    registry.add(value)
+        return registry
+
+    def get(self, name: str) -> ToolSpec | None:
+        return self._tools.get(name)
+
+    def __getitem__(self, name: str) -> ToolSpec:
+        return self._tools[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
+
+    def __iter__(self) -> Iterator[ToolSpec]:
+        return iter(self._tools.values())
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._tools)
+
+    def closest(self, name: str) -> list[str]:
+        """All tool names, the ones closest to `name` first."""
+        close = difflib.get_close_matches(name, self.names, n=len(self._tools), cutoff=0.0)
+        return close + [n for n in self.names if n not in close]
+
+    def declarations(self, provider: Provider) -> list[dict[str, Any]]:
+        """Tool declarations in the given provider's request format."""
+        return [declaration(spec, provider) for spec in self]
+
+
+def declaration(spec: ToolSpec, provider: Provider) -> dict[str, Any]:
+    """One tool's declaration for Chat Completions, Anthropic Messages or Responses."""
+    params = parameters_schema(spec.args_model)
+    if provider == "anthropic":
+        return {"name": spec.name, "description": spec.description, "input_schema": params}
+    function = {
+        "name": spec.name,
+        "description": spec.description,
+        "parameters": params,
+        "strict": strict_compatible(params),
+    }
+    if provider == "chat":
+        return {"type": "function", "function": function}
+    if provider == "responses":
+        return {"type": "function", **function}
+    raise ValueError(f"unknown provider {provider!r}; expected one of {PROVIDERS}")

@@ -1,0 +1,49 @@
+"""Turning how a handler ended (`HandlerOutcome`) into the result the model reads."""
+
+from __future__ import annotations
+
+from worker import errors
+from worker.execution import HandlerOutcome
+from worker.models import ToolCall, ToolResult
+from worker.shaping import cap_content
+from worker.spill import SpillStore
+from worker.tools import ToolSpec
+
+# Partial output shown with TIMEOUT/crash errors is kept short: it is a clue, not the answer.
+_PARTIAL_OUTPUT_CHARS = 2_000
+
+
+def result_from_outcome(
+    call: ToolCall, spec: ToolSpec, outcome: HandlerOutcome, *, attempts: int, spill: SpillStore | None
+) -> ToolResult:
+    """One ToolResult for a finished attempt, with the side-effect class deciding unknown outcomes."""
+    if outcome.status == "ok":
+        text = outcome.content if outcome.content else outcome.output
+        content, truncated = cap_content(text or "", spec.max_output_chars, spill)
+        return ToolResult(
+            call_id=call.id,
+            name=call.name,
+            status="ok",
+            content=content,
+            data=outcome.data,
+            attempts=attempts,
+            duration_ms=outcome.duration_ms,
+            truncated=truncated,
+        )
+    partial, _ = cap_content(outcome.output, _PARTIAL_OUTPUT_CHARS, None) if outcome.output.strip() else ("", None)
+    unsafe_unobserved = spec.side_effect == "unsafe" and outcome.started
+    if outcome.status == "timeout":
+        error = (
+            errors.outcome_unknown(call, f"it exceeded its {spec.timeout:g} s limit and was killed")
+            if unsafe_unobserved
+            else errors.timeout(call, spec.timeout)
+        )
+    elif outcome.status == "crashed" and unsafe_unobserved:
+        error = errors.outcome_unknown(call, outcome.error_message or "the handler process died")
+    elif outcome.status == "cancelled":
+        error = errors.cancelled(call)
+    else:
+        error = errors.execution_error(call, outcome.error_type or "Error", outcome.error_message or "")
+    return errors.error_result(
+        call, error, attempts=attempts, duration_ms=outcome.duration_ms, output=partial
+    )

@@ -1,0 +1,47 @@
+"""Executing one validated call on a worker: sandboxed handler run, then shaping into a ToolResult.
+
+Shared by the Celery task and the in-process pipeline so both behave the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from worker import errors
+from worker.context import ToolContext
+from worker.execution import HandlerOutcome
+from worker.models import ToolCall, ToolResult
+from worker.results import result_from_outcome
+from worker.sandbox import run_isolated
+from worker.spill import SpillStore
+from worker.tools import ToolSpec
+
+
+def run_handler(spec: ToolSpec, arguments: dict[str, Any], context: ToolContext) -> HandlerOutcome:
+    """Re-validate the arguments (they crossed a process boundary as JSON) and run the handler."""
+    try:
+        args = spec.args_model.model_validate(arguments)
+    except ValidationError as exc:
+        return HandlerOutcome(status="error", started=False, error_type="ValidationError", error_message=str(exc))
+    return run_isolated(spec, args, context)
+
+
+def execute_call(
+    call: ToolCall,
+    spec: ToolSpec,
+    arguments: dict[str, Any],
+    context: ToolContext,
+    *,
+    spill: SpillStore | None,
+    attempts: int = 1,
+) -> ToolResult:
+    """Run one call once and shape its result. Never raises for handler misbehaviour."""
+    outcome = run_handler(spec, arguments, context)
+    return result_from_outcome(call, spec, outcome, attempts=attempts, spill=spill)
+
+
+def unavailable_tool_result(call: ToolCall, available: list[str]) -> ToolResult:
+    """A worker asked to run a tool it does not have (deployment skew between orchestrator and worker)."""
+    return errors.error_result(call, errors.unknown_tool(call, available))

@@ -1,0 +1,220 @@
+"""Which sandbox layers work in this process, found by trying them once (cached per process).
+
+Every layer is probed by doing it, not by reading configuration files: a default Docker container
+reports Landlock in the kernel config yet may filter its syscalls, and blocks unshare without
+CAP_SYS_ADMIN. The probe forks one short-lived child that tries netns, Landlock and seccomp for
+real, so a worker never claims a layer it cannot apply.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import socket
+import threading
+
+from pydantic import BaseModel, Field
+
+from worker.sandbox import landlock
+from worker.sandbox.profile import Layer
+from worker.sandbox.syscalls import (
+    CLONE_NEWNET,
+    PR_SET_NO_NEW_PRIVS,
+    load_seccomp_bpf,
+    prctl,
+    unshare,
+)
+
+LAYERS: tuple[Layer, ...] = ("rlimits", "uid", "landlock", "seccomp", "netns")
+
+_lock = threading.Lock()
+_cached: SandboxCapabilities | None = None
+_log = logging.getLogger("toolchord.sandbox")
+
+
+class LayerStatus(BaseModel):
+    """Whether one layer can be applied, and why not when it cannot."""
+
+    available: bool
+    detail: str = ""
+
+
+class SandboxCapabilities(BaseModel):
+    """The result of probing every layer in this process."""
+
+    rlimits: LayerStatus
+    uid: LayerStatus
+    landlock: LayerStatus
+    seccomp: LayerStatus
+    netns: LayerStatus
+    landlock_abi: int = Field(default=0, description="Landlock ABI version (0: none).")
+
+    def status(self, layer: Layer) -> LayerStatus:
+        """The probe result of one layer."""
+        return getattr(self, layer)
+
+    def available(self) -> frozenset[Layer]:
+        """Layers that can be applied here."""
+        return frozenset(layer for layer in LAYERS if self.status(layer).available)
+
+    def missing(self, layers: frozenset[Layer] | set[Layer]) -> list[Layer]:
+        """Those of `layers` that cannot be applied here, in a stable order."""
+        return [
+            layer
+            for layer in LAYERS
+            if layer in layers and not self.status(layer).available
+        ]
+
+
+def probe() -> SandboxCapabilities:
+    """Probe every layer once per process; later calls (and forked processes) reuse the answer."""
+    global _cached
+    with _lock:
+        if _cached is None:
+            _cached = _probe()
+        return _cached
+
+
+def describe_layers() -> str:
+    """One line for the worker start log: active layers and why the others are off."""
+    caps = probe()
+    parts = []
+    for layer in LAYERS:
+        status = caps.status(layer)
+        parts.append(
+            f"{layer}=on" if status.available else f"{layer}=OFF ({status.detail})"
+        )
+    return "sandbox layers: " + ", ".join(parts)
+
+
+def log_layers(logger: logging.Logger | None = None) -> SandboxCapabilities:
+    """Log the active layers (info) and each unavailable one (warning); call at worker start."""
+    log = logger or _log
+    caps = probe()
+    log.info(describe_layers())
+    for layer in LAYERS:
+        status = caps.status(layer)
+        if not status.available:
+            log.warning("sandbox layer %s unavailable: %s", layer, status.detail)
+    return caps
+
+
+def _probe() -> SandboxCapabilities:
+    rlimits = LayerStatus(
+        available=True, detail="CPU, address space, files, file size, processes"
+    )
+    try:
+        resource.getrlimit(resource.RLIMIT_NPROC)
+    except (OSError, ValueError) as exc:
+        rlimits = LayerStatus(available=False, detail=f"getrlimit failed: {exc}")
+    if os.geteuid() == 0:
+        uid = LayerStatus(
+            available=True, detail="worker is root; calls drop to an unprivileged uid"
+        )
+    else:
+        uid = LayerStatus(
+            available=False,
+            detail=f"worker is not root (uid {os.geteuid()}); calls keep the worker's uid",
+        )
+    abi = 0
+    try:
+        abi = landlock.abi_version()
+    except OSError as exc:
+        landlock_status = LayerStatus(
+            available=False, detail=f"landlock_create_ruleset failed: {exc}"
+        )
+    else:
+        landlock_status = LayerStatus(
+            available=abi > 0, detail=f"ABI {abi}" if abi else "not in this kernel"
+        )
+    try:
+        from worker.sandbox.seccomp_filter import compile_filter
+
+        program = compile_filter(network=False)
+    except Exception as exc:  # noqa: BLE001 - any failure of libseccomp means the layer is off
+        program = None
+        seccomp_status = LayerStatus(
+            available=False, detail=f"cannot build filter: {type(exc).__name__}: {exc}"
+        )
+    else:
+        seccomp_status = LayerStatus(available=True, detail="")
+    trial = _try_in_child(abi, program)
+    if abi and not trial.get("landlock", False):
+        landlock_status = LayerStatus(
+            available=False,
+            detail=f"ABI {abi} but restrict failed: {trial.get('landlock_error')}",
+        )
+    if program is not None:
+        ok = bool(trial.get("seccomp", False))
+        seccomp_status = LayerStatus(
+            available=ok,
+            detail="blocks non-AF_UNIX sockets"
+            if ok
+            else f"load failed: {trial.get('seccomp_error')}",
+        )
+    netns = LayerStatus(
+        available=bool(trial.get("netns")),
+        detail="loopback-only network namespace"
+        if trial.get("netns")
+        else f"unshare failed: {trial.get('netns_error')}",
+    )
+    return SandboxCapabilities(
+        rlimits=rlimits,
+        uid=uid,
+        landlock=landlock_status,
+        seccomp=seccomp_status,
+        netns=netns,
+        landlock_abi=abi,
+    )
+
+
+def _try_in_child(abi: int, program: bytes | None) -> dict[str, object]:
+    """Apply netns, Landlock and seccomp in a throwaway child and report what held."""
+    read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_fd)
+            report: dict[str, object] = {}
+            try:
+                unshare(CLONE_NEWNET)
+                report["netns"] = True
+            except OSError as exc:
+                report["netns_error"] = str(exc)
+            try:
+                prctl(PR_SET_NO_NEW_PRIVS, 1)
+            except OSError as exc:
+                report["nnp_error"] = str(exc)
+            if abi:
+                try:
+                    landlock.restrict_self(abi, landlock.LandlockPlan(confine_fs=True))
+                    report["landlock"] = True
+                except OSError as exc:
+                    report["landlock_error"] = str(exc)
+            if program is not None:
+                try:
+                    load_seccomp_bpf(program)
+                    try:
+                        socket.socket(socket.AF_INET, socket.SOCK_DGRAM).close()
+                        report["seccomp_error"] = (
+                            "filter loaded but AF_INET sockets still open"
+                        )
+                    except PermissionError:
+                        report["seccomp"] = True
+                except OSError as exc:
+                    report["seccomp_error"] = str(exc)
+            os.write(write_fd, json.dumps(report).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    chunks = []
+    while chunk := os.read(read_fd, 65536):
+        chunks.append(chunk)
+    os.close(read_fd)
+    os.waitpid(pid, 0)
+    try:
+        return json.loads(b"".join(chunks) or b"{}")
+    except ValueError:
+        return {}

@@ -1,0 +1,329 @@
+"""What a forked sandbox child does: confine itself, run the handler, send the outcome as JSON.
+
+Runs only in the child created by `worker.sandbox.runner`; it must never return into the worker's
+code (every path ends in os._exit). File descriptors in the child have fixed numbers:
+0 /dev/null, 1 and 2 the output pipe, 3 the result pipe, 4 the cancel pipe, 5.. import roots.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import gc
+import io
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+from pydantic import BaseModel
+
+from worker.context import ToolContext
+from worker.execution import HandlerOutcome, call_handler
+from worker.sandbox import landlock
+from worker.sandbox.import_paths import ImportRoot, redirect_imports
+from worker.sandbox.limits import apply_rlimits
+from worker.sandbox.profile import Layer, SandboxProfile
+from worker.sandbox.syscalls import (
+    CLONE_NEWNET,
+    PR_SET_NO_NEW_PRIVS,
+    PR_SET_PDEATHSIG,
+    load_seccomp_bpf,
+    prctl,
+    unshare,
+)
+from worker.tools import ToolSpec
+
+RESULT_MAGIC = b"TCR1"
+"""A result frame is RESULT_MAGIC, the JSON length as 8 bytes big-endian, then the JSON: the worker
+knows the result is complete without waiting for the child's exit or end of file."""
+RESULT_HEADER_BYTES = len(RESULT_MAGIC) + 8
+RESULT_FD = 3
+CONTROL_FD = 4
+FIRST_ROOT_FD = 5
+# Exit status of a child that failed before its result pipe was in place.
+SETUP_FAILED_STATUS = 71
+# Per-call uids start here: far above distribution, systemd-dynamic and usual subuid ranges, and
+# pid_max (2**22) more still fits below 2**31.
+PER_CALL_UID_BASE = 2_000_000_000
+
+_RESET_SIGNALS = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGALRM,
+    signal.SIGCHLD,
+    signal.SIGXCPU,
+)
+# Old stream objects are kept alive so that their finalizers never flush worker output into the
+# capture pipe.
+_retired_streams: list[object] = []
+
+
+@dataclass(frozen=True)
+class ChildPlan:
+    """Everything the child needs, prepared by the worker before fork."""
+
+    spec: ToolSpec
+    args: BaseModel
+    context: ToolContext
+    timeout: float
+    workdir: str
+    output_fd: int
+    result_fd: int
+    control_fd: int
+    parent_pid: int
+    drop_uid: bool
+    netns: bool
+    landlock_abi: int
+    read_paths: tuple[str, ...]
+    write_paths: tuple[str, ...]
+    seccomp_program: bytes | None
+    import_roots: tuple[ImportRoot, ...] = ()
+    required: frozenset[Layer] = field(default_factory=frozenset)
+
+    @property
+    def profile(self) -> SandboxProfile:
+        return self.spec.sandbox
+
+
+def child_main(plan: ChildPlan) -> NoReturn:
+    """Entry point right after fork; never returns."""
+    own_pid = os.getpid()
+    # Inherited objects go to the permanent generation: a collection in the child then never walks
+    # (and so never copies) the worker's whole heap. The child is short-lived, nothing leaks.
+    gc.freeze()
+    try:
+        os.setsid()
+        _arrange_fds(plan)
+    except BaseException:  # noqa: BLE001 - nothing may unwind into the worker's stack
+        os._exit(SETUP_FAILED_STATUS)
+    try:
+        outcome = _confine_and_run(plan)
+    except BaseException as exc:  # noqa: BLE001
+        outcome = HandlerOutcome(
+            status="crashed",
+            started=False,
+            error_type="SandboxSetupError",
+            error_message=f"sandbox setup failed: {type(exc).__name__}: {exc}",
+        )
+    try:
+        if (
+            os.getpid() == own_pid
+        ):  # a forked grandchild returning here must stay silent
+            _send(outcome)
+    finally:
+        os._exit(0)
+
+
+def _arrange_fds(plan: ChildPlan) -> None:
+    """Move the pipes to fixed numbers and close everything else inherited from the worker."""
+    sources = [
+        plan.output_fd,
+        plan.result_fd,
+        plan.control_fd,
+        *(root.fd for root in plan.import_roots),
+    ]
+    last_target = FIRST_ROOT_FD + len(plan.import_roots)
+    floor = max(max(sources), last_target) + 1
+    # Copy above every source and target first so that no dup2 below clobbers a source.
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor) for fd in sources]
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(moved[0], 1)
+    os.dup2(moved[0], 2)
+    os.dup2(moved[1], RESULT_FD, inheritable=False)
+    os.dup2(moved[2], CONTROL_FD, inheritable=False)
+    for index, fd in enumerate(moved[3:]):
+        os.dup2(fd, FIRST_ROOT_FD + index, inheritable=False)
+    # The original descriptors (including devnull's first number) are either overwritten by the
+    # dup2 calls above or at/above last_target.
+    os.closerange(last_target, 1 << 20)
+    os.set_blocking(CONTROL_FD, False)
+
+
+def _reset_process_state() -> None:
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    for signum in _RESET_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:
+        pass
+    _retired_streams.extend((sys.stdin, sys.stdout, sys.stderr))
+    # Fresh streams on the fixed descriptors: the worker's may be logging proxies (Celery) or
+    # capture objects (pytest). write_through keeps partial output visible on a timeout.
+    sys.stdout = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False),
+        encoding="utf-8",
+        errors="backslashreplace",
+        write_through=True,
+    )
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False),
+        encoding="utf-8",
+        errors="backslashreplace",
+        write_through=True,
+    )
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+
+
+def _scrub_environment(plan: ChildPlan) -> None:
+    """Keep only allowed variables, then wipe the original environment and arguments in memory."""
+    profile = plan.profile
+    kept = {name: os.environ[name] for name in profile.env_allow if name in os.environ}
+    os.environ.clear()
+    os.environ.update(kept)
+    os.environ.update(profile.env)
+    os.environ["HOME"] = plan.workdir
+    os.environ["TMPDIR"] = plan.workdir
+    _wipe_initial_block()
+    sys.argv[:] = sys.argv[:1]
+    sys.orig_argv[:] = sys.orig_argv[:1]
+
+
+def _wipe_initial_block() -> None:
+    """Zero the environment strings (and arguments after argv[0]) the kernel put on the stack.
+
+    os.environ.clear() only unlinks them; the bytes would otherwise stay readable in the child's
+    memory and in /proc/self/environ.
+    """
+    with open("/proc/self/stat", "rb") as stat_file:
+        fields = stat_file.read().rsplit(b")", 1)[1].split()
+    # Fields 48-51 of proc(5): arg_start, arg_end, env_start, env_end (field 3 is fields[0]).
+    arg_start, arg_end, env_start, env_end = (int(value) for value in fields[45:49])
+    if env_end > env_start:
+        ctypes.memset(env_start, 0, env_end - env_start)
+    if arg_end > arg_start:
+        first = len(ctypes.string_at(arg_start)) + 1
+        if arg_end > arg_start + first:
+            ctypes.memset(arg_start + first, 0, arg_end - arg_start - first)
+
+
+def _drop_privileges(plan: ChildPlan) -> None:
+    uid = plan.profile.uid or PER_CALL_UID_BASE + os.getpid()
+    os.chown(plan.workdir, uid, uid)
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+
+
+def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
+    profile = plan.profile
+    applied: list[Layer] = []
+    failures: dict[Layer, str] = {}
+    _reset_process_state()
+    if plan.netns:
+        try:
+            unshare(CLONE_NEWNET)
+            applied.append("netns")
+        except OSError as exc:
+            failures["netns"] = str(exc)
+    os.chdir(plan.workdir)
+    _scrub_environment(plan)
+    if plan.drop_uid:
+        redirect_imports(
+            {root.path: FIRST_ROOT_FD + i for i, root in enumerate(plan.import_roots)}
+        )
+    apply_rlimits(profile, plan.timeout)
+    applied.append("rlimits")
+    if plan.drop_uid:
+        try:
+            _drop_privileges(plan)
+            applied.append("uid")
+        except OSError as exc:
+            failures["uid"] = str(exc)
+    # The kernel clears the parent-death signal on a uid change, so it is set afterwards; the
+    # ppid check closes the race with a worker that died before this line.
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != plan.parent_pid:
+        os._exit(0)
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if plan.landlock_abi:
+        try:
+            parts = landlock.restrict_self(
+                plan.landlock_abi,
+                landlock.LandlockPlan(
+                    confine_fs=profile.filesystem == "confined",
+                    read_paths=plan.read_paths,
+                    write_paths=(plan.workdir, *plan.write_paths),
+                    read_fds=tuple(
+                        FIRST_ROOT_FD + i for i in range(len(plan.import_roots))
+                    ),
+                    deny_tcp=not profile.network,
+                    scope_signals=True,
+                    scope_abstract_unix=not profile.network,
+                ),
+            )
+            if parts:
+                applied.append("landlock")
+        except OSError as exc:
+            failures["landlock"] = str(exc)
+    if plan.seccomp_program is not None:
+        try:
+            load_seccomp_bpf(plan.seccomp_program)
+            applied.append("seccomp")
+        except OSError as exc:
+            failures["seccomp"] = str(exc)
+    missing = sorted(layer for layer in plan.required if layer not in applied)
+    if missing:
+        detail = "; ".join(
+            f"{layer}: {failures.get(layer, 'not applied')}" for layer in missing
+        )
+        return HandlerOutcome(
+            status="error",
+            started=False,
+            error_type="SandboxUnavailable",
+            error_message=f"required sandbox layer(s) could not be applied: {detail}",
+            sandbox_layers=list(applied),
+        )
+    context = plan.context.model_copy(update={"workdir": plan.workdir})
+    context.bind_cancel_check(_CancelFlag())
+    try:
+        outcome = call_handler(plan.spec, plan.args, context)
+    except SystemExit as exc:
+        outcome = HandlerOutcome(
+            status="error",
+            error_type="SystemExit",
+            error_message=f"handler called sys.exit({exc.code!r})",
+        )
+    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt and friends become values too
+        outcome = HandlerOutcome(
+            status="error", error_type=type(exc).__name__, error_message=str(exc)
+        )
+    outcome.sandbox_layers = list(applied)
+    return outcome
+
+
+class _CancelFlag:
+    """Cancel check inside the child: the worker writes a byte to the control pipe to cancel."""
+
+    def __init__(self) -> None:
+        self._cancelled = False
+
+    def __call__(self) -> bool:
+        if not self._cancelled:
+            try:
+                self._cancelled = os.read(CONTROL_FD, 1) != b""
+            except BlockingIOError:
+                pass
+            except OSError:
+                return False
+        return self._cancelled
+
+
+def _send(outcome: HandlerOutcome) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    body = outcome.model_dump_json().encode()
+    payload = memoryview(RESULT_MAGIC + len(body).to_bytes(8, "big") + body)
+    while payload:
+        written = os.write(RESULT_FD, payload)
+        payload = payload[written:]

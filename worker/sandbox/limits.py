@@ -1,0 +1,48 @@
+"""Resource limits of a sandbox child (applied in the child, before it drops privileges)."""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+
+from worker.sandbox.profile import SandboxProfile
+
+MIB = 1024 * 1024
+
+
+def cpu_seconds(profile: SandboxProfile, timeout: float) -> int:
+    """RLIMIT_CPU for a call: the profile's value, or the wall timeout + 1 (wall time stops it first)."""
+    if profile.cpu_seconds is not None:
+        return max(1, profile.cpu_seconds)
+    return math.ceil(timeout) + 1
+
+
+def _mapped_bytes() -> int:
+    """Address space already mapped in this (freshly forked) process."""
+    with open("/proc/self/statm", "rb") as statm:
+        pages = int(statm.read().split()[0])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _set(kind: int, soft: int, hard: int) -> None:
+    """setrlimit, clamped to the current hard limit (an unprivileged worker cannot raise it)."""
+    _, current_hard = resource.getrlimit(kind)
+    if current_hard != resource.RLIM_INFINITY:
+        soft, hard = min(soft, current_hard), min(hard, current_hard)
+    resource.setrlimit(kind, (soft, hard))
+
+
+def apply_rlimits(profile: SandboxProfile, timeout: float) -> None:
+    """Set soft and hard limits; the hard ones cannot be raised again by the unprivileged child."""
+    cpu = cpu_seconds(profile, timeout)
+    # Soft limit -> SIGXCPU, one second later the hard limit -> SIGKILL.
+    _set(resource.RLIMIT_CPU, cpu, cpu + 1)
+    address_space = _mapped_bytes() + profile.memory_mb * MIB
+    _set(resource.RLIMIT_AS, address_space, address_space)
+    _set(resource.RLIMIT_NOFILE, profile.max_open_files, profile.max_open_files)
+    file_size = profile.max_file_size_mb * MIB
+    _set(resource.RLIMIT_FSIZE, file_size, file_size)
+    _set(resource.RLIMIT_NPROC, profile.max_processes, profile.max_processes)
+    # A crashing handler must not leave core files (possibly holding worker secrets) behind.
+    _set(resource.RLIMIT_CORE, 0, 0)

@@ -1,0 +1,65 @@
+"""The sandbox policy a tool declares (shared/DESIGN.md section 6)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Layer = Literal["rlimits", "uid", "landlock", "seccomp", "netns"]
+
+
+class SandboxProfile(BaseModel):
+    """How one tool's calls are isolated. Defaults are safe for typical API/DB tools."""
+
+    model_config = ConfigDict(frozen=True)
+
+    isolate: bool = Field(
+        default=True, description="Run each call in its own child process."
+    )
+    network: bool = Field(
+        default=True, description="False blocks sockets other than AF_UNIX."
+    )
+    filesystem: Literal["confined", "open"] = Field(
+        default="confined",
+        description="confined: read-only system paths, read-write per-call workdir only.",
+    )
+    read_paths: tuple[str, ...] = Field(
+        default=(), description="Extra paths readable in confinement."
+    )
+    write_paths: tuple[str, ...] = Field(
+        default=(), description="Extra paths writable in confinement."
+    )
+    memory_mb: int = Field(
+        default=1024,
+        ge=16,
+        description=(
+            "Address space the call may add, in MiB: RLIMIT_AS is set to the size of the forked "
+            "worker image plus this, so a large worker does not starve small tools."
+        ),
+    )
+    cpu_seconds: int | None = Field(
+        default=None, description="RLIMIT_CPU; default: the tool's timeout + 1."
+    )
+    max_open_files: int = Field(default=256, ge=16)
+    max_file_size_mb: int = Field(default=64, ge=1)
+    max_processes: int = Field(default=64, ge=1)
+    env_allow: tuple[str, ...] = Field(
+        default=("PATH", "LANG", "LC_ALL", "TZ"),
+        description="Environment variables copied from the worker; everything else is dropped.",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Fixed variables set for the child."
+    )
+    uid: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Unprivileged uid (and gid) the call runs as when the worker is root. None: a uid of "
+            "its own per call, so concurrent calls cannot signal, trace or read each other."
+        ),
+    )
+    required: frozenset[Layer] = Field(
+        default=frozenset(),
+        description="Layers that must be active: the call fails instead of running with a warning.",
+    )

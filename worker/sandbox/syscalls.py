@@ -1,0 +1,86 @@
+"""Thin ctypes wrappers for the Linux calls the sandbox needs and Python 3.11 does not expose.
+
+`os.unshare` only exists from Python 3.12 and `prctl` is not in the stdlib at all; going through
+libc keeps the sandbox free of extra compiled dependencies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+PR_SET_SECCOMP = 22
+PR_SET_NO_NEW_PRIVS = 38
+SECCOMP_MODE_FILTER = 2
+CLONE_NEWNET = 0x40000000
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.prctl.argtypes = [
+    ctypes.c_int,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
+_libc.prctl.restype = ctypes.c_int
+_libc.unshare.argtypes = [ctypes.c_int]
+_libc.unshare.restype = ctypes.c_int
+
+
+def _raise_errno(what: str) -> None:
+    err = ctypes.get_errno()
+    raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def prctl(
+    option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0
+) -> int:
+    """prctl(2); raises OSError on failure."""
+    result = _libc.prctl(option, arg2, arg3, arg4, arg5)
+    if result < 0:
+        _raise_errno(f"prctl({option})")
+    return result
+
+
+def unshare(flags: int) -> None:
+    """unshare(2); raises OSError on failure."""
+    if _libc.unshare(flags) != 0:
+        _raise_errno("unshare")
+
+
+def syscall(number: int, *args: Any) -> int:
+    """A raw syscall with integer, None or ctypes pointer (byref) arguments; raises OSError on failure."""
+    converted = [ctypes.c_long(a) if isinstance(a, int) else a for a in args]
+    result = _libc.syscall(ctypes.c_long(number), *converted)
+    if result < 0:
+        _raise_errno(f"syscall {number}")
+    return int(result)
+
+
+class SockFilter(ctypes.Structure):
+    """struct sock_filter: one classic BPF instruction."""
+
+    _fields_ = [
+        ("code", ctypes.c_uint16),
+        ("jt", ctypes.c_uint8),
+        ("jf", ctypes.c_uint8),
+        ("k", ctypes.c_uint32),
+    ]
+
+
+class SockFprog(ctypes.Structure):
+    """struct sock_fprog: the program handed to PR_SET_SECCOMP."""
+
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+
+def load_seccomp_bpf(program: bytes) -> None:
+    """Install a prebuilt seccomp BPF program for the calling thread (needs no_new_privs or CAP_SYS_ADMIN)."""
+    count = len(program) // ctypes.sizeof(SockFilter)
+    instructions = (SockFilter * count).from_buffer_copy(program)
+    fprog = SockFprog(count, instructions)
+    prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog))

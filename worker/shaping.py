@@ -1,0 +1,36 @@
+"""Fitting a handler's output into the model's budget (shared/DESIGN.md section 7)."""
+
+from __future__ import annotations
+
+from worker.models import Truncation
+from worker.spill import SpillStore
+
+EMPTY_PLACEHOLDER = "(no output)"
+# Share of the budget given to the head; the tail usually holds the summary or the error.
+_HEAD_SHARE = 0.6
+
+
+def cap_content(text: str, max_chars: int, spill: SpillStore | None) -> tuple[str, Truncation | None]:
+    """Return text within `max_chars`: head and tail kept, a notice of what was cut and how to read it.
+
+    Empty text becomes a placeholder so the model never gets an empty result.
+    """
+    if not text.strip():
+        return EMPTY_PLACEHOLDER, None
+    if len(text) <= max_chars:
+        return text, None
+    ref = spill.put(text) if spill is not None else None
+    how = (
+        f'read the rest with read_output(ref="{ref}", offset=N)'
+        if ref
+        else "ask for a narrower result (filter, page, or limit)"
+    )
+    # The notice's own length depends on the cut size; reserve enough for the longest one.
+    reserve = 160 + len(how)
+    budget = max(max_chars - reserve, 0)
+    head = int(budget * _HEAD_SHARE)
+    tail = budget - head
+    cut = len(text) - head - tail
+    notice = f"\n[… {cut} of {len(text)} characters cut from the middle; {how} …]\n"
+    shaped = text[:head] + notice + (text[-tail:] if tail else "")
+    return shaped, Truncation(original_chars=len(text), kept_chars=head + tail, spill_ref=ref)

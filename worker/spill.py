@@ -1,0 +1,104 @@
+"""Where full outputs go when `content` is cut, and the built-in `read_output` tool that reads them.
+
+Embedded mode keeps spills in process memory (the worker runs in the same process); distributed
+mode keeps them in Redis with the result TTL so any worker can serve `read_output`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from typing import Annotated, Protocol
+
+import redis
+from pydantic import Field
+
+from worker.tools import tool
+
+
+class SpillStore(Protocol):
+    """Stores full outputs under a reference and serves slices of them."""
+
+    def put(self, text: str) -> str: ...
+
+    def read(self, ref: str, offset: int, limit: int) -> tuple[str, int] | None:
+        """The slice and the full length, or None when the reference is unknown or expired."""
+        ...
+
+
+def _ref(text: str) -> str:
+    return "out_" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+class MemorySpillStore:
+    """Bounded in-process store (oldest evicted first) for embedded mode and tests."""
+
+    def __init__(self, max_items: int = 256) -> None:
+        self._items: OrderedDict[str, str] = OrderedDict()
+        self._max = max_items
+        self._lock = threading.Lock()
+
+    def put(self, text: str) -> str:
+        ref = _ref(text)
+        with self._lock:
+            self._items[ref] = text
+            self._items.move_to_end(ref)
+            while len(self._items) > self._max:
+                self._items.popitem(last=False)
+        return ref
+
+    def read(self, ref: str, offset: int, limit: int) -> tuple[str, int] | None:
+        with self._lock:
+            text = self._items.get(ref)
+        return None if text is None else (text[offset : offset + limit], len(text))
+
+
+class RedisSpillStore:
+    """Spills in Redis under `toolchord:spill:<ref>`, expiring with the result TTL."""
+
+    def __init__(self, client: redis.Redis, ttl: int = 86400) -> None:
+        self._redis = client
+        self._ttl = ttl
+
+    def put(self, text: str) -> str:
+        ref = _ref(text)
+        self._redis.set(f"toolchord:spill:{ref}", text.encode("utf-8", "replace"), ex=self._ttl)
+        return ref
+
+    def read(self, ref: str, offset: int, limit: int) -> tuple[str, int] | None:
+        raw = self._redis.get(f"toolchord:spill:{ref}")
+        if raw is None:
+            return None
+        text = raw.decode("utf-8", "replace")
+        return text[offset : offset + limit], len(text)
+
+
+_store: SpillStore = MemorySpillStore()
+
+
+def set_spill_store(store: SpillStore) -> None:
+    """Select this process's spill store (the worker does it at start from its configuration)."""
+    global _store
+    _store = store
+
+
+def spill_store() -> SpillStore:
+    """This process's spill store."""
+    return _store
+
+
+@tool(side_effect="read", timeout=10, sandbox={"isolate": False}, max_output_chars=50_000)
+def read_output(
+    ref: Annotated[str, Field(description="The reference given in a cut output's notice.")],
+    offset: Annotated[int, Field(ge=0, description="First character to return.")] = 0,
+    limit: Annotated[int, Field(ge=1, le=40_000, description="How many characters to return.")] = 20_000,
+) -> str:
+    """Read part of a tool output that was too long to show in full."""
+    found = spill_store().read(ref, offset, limit)
+    if found is None:
+        raise LookupError(f"no stored output {ref!r}: the reference is wrong or has expired")
+    text, total = found
+    end = offset + len(text)
+    more = f" Next: read_output(ref={ref!r}, offset={end})." if end < total else " This is the end."
+    return f"[characters {offset}-{end} of {total}.{more}]\n{text}"

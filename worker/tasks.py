@@ -1,0 +1,278 @@
+"""The Celery tasks: one per side-effect class to run a call, and the chord callback that collects.
+
+Header tasks never raise (celery-findings pitfall 1): every failure, including a bug in toolchord
+itself, becomes a ToolResult, so one failing call never fails the chord. The only exception that
+leaves a task is Celery's own `Retry`, which keeps the task id and its place in the chord.
+Each call task returns a list of result dicts: its own appended to what the previous task in a
+resource chain returned, so the callback can flatten chains and single calls alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from typing import Any
+
+import redis
+from celery import Celery, Task
+from pydantic import ValidationError
+
+from worker import errors
+from worker.worker_runtime import WorkerRuntime, runtime_of
+from worker.context import ToolContext
+from worker.execution import HandlerOutcome
+from worker.idempotency import Claim, ClaimState, LeaseKeeper
+from worker.models import SideEffect, ToolCall, ToolResult
+from worker.payloads import CallPayload, CallRef
+from worker.results import result_from_outcome
+from worker.runner import run_handler, unavailable_tool_result
+from worker.tools import ToolSpec
+
+log = logging.getLogger("toolchord.worker")
+
+TASK_NAMES: dict[SideEffect, str] = {
+    "read": "toolchord.call.read",
+    "idempotent": "toolchord.call.idempotent",
+    "unsafe": "toolchord.call.unsafe",
+}
+COLLECT_TASK = "toolchord.collect"
+
+# Poll interval while another delivery of the same key holds a live claim.
+_BUSY_POLL = 0.05
+# Retry backoff stays far below the broker's visibility timeout (celery-findings pitfall 2).
+_MAX_BACKOFF = 30.0
+
+
+def backoff_seconds(retries: int, visibility_timeout: int) -> float:
+    """Exponential backoff with full jitter, capped well below the visibility timeout."""
+    cap = min(_MAX_BACKOFF, visibility_timeout / 4)
+    return random.uniform(0, min(cap, 0.2 * 2**retries))
+
+
+class _Retry(Exception):
+    """Internal: the attempt should be retried after `countdown` seconds (nothing ran, or it is safe)."""
+
+    def __init__(self, countdown: float, reason: str) -> None:
+        super().__init__(reason)
+        self.countdown = countdown
+
+
+class CallExecution:
+    """One delivery of one call on a worker: claim, run, decide retry, store, return."""
+
+    def __init__(self, runtime: WorkerRuntime, payload: CallPayload, attempt: int, may_retry: bool) -> None:
+        self.rt = runtime
+        self.p = payload
+        self.call: ToolCall = payload.call
+        self.attempt = attempt
+        self.may_retry = may_retry
+        self.spec: ToolSpec | None = runtime.registry.get(payload.call.name)
+
+    @property
+    def ttl(self) -> int:
+        if self.spec is not None and self.spec.idempotency_key is not None:
+            return int(self.spec.idempotency_window)
+        return self.rt.settings.result_ttl
+
+    def run(self) -> ToolResult:
+        spec = self.spec
+        if spec is None:
+            return unavailable_tool_result(self.call, self.rt.registry.closest(self.call.name))
+        store = self.rt.store
+        if store.cancelled(self.p.cancel_scope) or time.time() > self.p.deadline:
+            return self._not_executed("the turn was cancelled or its deadline passed before it started")
+        token = uuid.uuid4().hex
+        try:
+            claim = self._claim_or_wait(token)
+        except redis.RedisError as exc:
+            # Nothing ran yet, so a retry is safe for every class.
+            countdown = backoff_seconds(self.attempt - 1, self.rt.settings.visibility_timeout)
+            if self.may_retry and time.time() + countdown < self.p.deadline:
+                raise _Retry(countdown, f"idempotency store unreachable: {exc}") from exc
+            return self._not_executed(f"the idempotency store was unreachable ({type(exc).__name__})")
+        if claim.state is ClaimState.STORED:
+            assert claim.result_json is not None
+            return ToolResult.model_validate_json(claim.result_json)
+        if store.cancelled(self.p.cancel_scope):
+            store.release(self.p.key, token, forget_start=True)
+            return self._not_executed("the turn was cancelled before it started")
+        if claim.state is ClaimState.RECLAIMED and spec.side_effect == "unsafe":
+            reconciled = self._reconcile(spec)
+            if reconciled is not None:
+                return self._store(token, reconciled)
+        outcome = self._run_handler(spec, token)
+        result = result_from_outcome(self.call, spec, outcome, attempts=self.attempt, spill=self.rt.spill)
+        countdown = self._retry_countdown(spec, outcome)
+        if countdown is not None:
+            forget = not outcome.started or spec.side_effect != "unsafe"
+            store.release(self.p.key, token, forget_start=forget)
+            raise _Retry(countdown, f"{outcome.status}: {outcome.error_type}")
+        return self._store(token, result)
+
+    def _claim_or_wait(self, token: str) -> Claim:
+        """Claim the key; while another delivery holds a live claim, wait for its result or its lease."""
+        lease = self.rt.settings.claim_lease
+        while True:
+            claim = self.rt.store.claim(self.p.key, token, lease, self.ttl)
+            if claim.state is not ClaimState.BUSY:
+                return claim
+            if time.time() > self.p.deadline:
+                return Claim(
+                    state=ClaimState.STORED,
+                    result_json=errors.error_result(
+                        self.call,
+                        errors.not_executed(self.call, "another delivery of this call was still running at the deadline"),
+                    ).model_dump_json(),
+                )
+            time.sleep(_BUSY_POLL)
+
+    def _reconcile(self, spec: ToolSpec) -> ToolResult | None:
+        """For an unsafe call whose earlier attempt was lost: a result, or None to run it again."""
+        decision: bool | None = None
+        if spec.reconcile is not None:
+            try:
+                decision = spec.reconcile(self.p.arguments, self._context())
+            except Exception as exc:  # noqa: BLE001 - a failing check means we still do not know
+                log.warning("reconcile for %s failed: %r", spec.name, exc)
+        if decision is False:
+            return None
+        if decision is True:
+            return ToolResult(
+                call_id=self.call.id,
+                name=self.call.name,
+                status="ok",
+                content="An earlier attempt of this call was interrupted, and the tool's reconcile check "
+                "confirmed that it took effect; it was not run again.",
+                attempts=self.attempt,
+            )
+        return errors.error_result(
+            self.call,
+            errors.outcome_unknown(self.call, "the worker running it was lost"),
+            attempts=self.attempt,
+        )
+
+    def _context(self, workdir: str | None = None) -> ToolContext:
+        store, scope = self.rt.store, self.p.cancel_scope
+        return ToolContext(
+            call_id=self.call.id,
+            session_id=self.p.session_id,
+            tool_name=self.call.name,
+            idempotency_key=self.p.key,
+            deadline=self.p.deadline,
+            attempt=self.attempt,
+            workdir=workdir,
+        ).bind_cancel_check(lambda: store.cancelled(scope))
+
+    def _run_handler(self, spec: ToolSpec, token: str) -> HandlerOutcome:
+        with LeaseKeeper(self.rt.store, self.p.key, token, self.rt.settings.claim_lease):
+            return run_handler(spec, self.p.arguments, self._context())
+
+    def _retry_countdown(self, spec: ToolSpec, outcome: HandlerOutcome) -> float | None:
+        """Seconds until the next attempt, or None when this outcome is final (DESIGN.md section 4)."""
+        if not self.may_retry:
+            return None
+        if outcome.status == "error" and outcome.transient:
+            retry = spec.side_effect != "unsafe" or not outcome.started
+        elif outcome.status == "timeout":
+            retry = spec.side_effect != "unsafe" and self.attempt == 1
+        else:
+            retry = False
+        if not retry:
+            return None
+        countdown = backoff_seconds(self.attempt - 1, self.rt.settings.visibility_timeout)
+        if time.time() + countdown + spec.timeout > self.p.deadline:
+            return None
+        return countdown
+
+    def _store(self, token: str, result: ToolResult) -> ToolResult:
+        try:
+            stored = self.rt.store.complete(self.p.key, token, result.model_dump_json(), self.ttl)
+        except redis.RedisError:
+            # The handler already ran: hand its result back through the chord even if it cannot be stored.
+            log.warning("could not store the result of call %s; returning it unstored", self.call.id)
+            return result
+        return ToolResult.model_validate_json(stored)
+
+    def _not_executed(self, reason: str) -> ToolResult:
+        return errors.error_result(self.call, errors.not_executed(self.call, reason), attempts=self.attempt)
+
+
+def _internal_error(payload: dict[str, Any], exc: BaseException) -> ToolResult:
+    """A bug in toolchord must not break the chord: report it as this call's result."""
+    call_data = payload.get("call") if isinstance(payload, dict) else None
+    try:
+        call = ToolCall.model_validate(call_data)
+    except ValidationError:
+        call = ToolCall(id="unknown", name="unknown", arguments_raw="")
+    log.exception("toolchord internal error while running call %s", call.id)
+    return errors.error_result(call, errors.execution_error(call, "ToolchordInternalError", repr(exc)))
+
+
+def _make_call_task(app: Celery, side_effect: SideEffect) -> Task:
+    @app.task(
+        name=TASK_NAMES[side_effect],
+        shared=False,
+        bind=True,
+        # All classes ack late and requeue on worker loss: the redelivery finds the claim and
+        # either re-runs (read/idempotent) or reports OUTCOME_UNKNOWN (unsafe) without re-running.
+        acks_late=True,
+        reject_on_worker_lost=True,
+        max_retries=None,
+        typing=False,
+    )
+    def run_call(self: Task, prior: list[dict[str, Any]] | None = None, *, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        previous = list(prior or [])
+        try:
+            parsed = CallPayload.model_validate(payload)
+            runtime = runtime_of(self.app)
+            spec = runtime.registry.get(parsed.call.name)
+            retries_allowed = spec.max_retries if spec is not None else 0
+            execution = CallExecution(runtime, parsed, self.request.retries + 1, self.request.retries < retries_allowed)
+            result = execution.run()
+        except _Retry as retry:
+            # CallExecution decided the retry (class policy, attempts, deadline); Celery keeps the
+            # task id and the chord membership across it.
+            raise self.retry(countdown=retry.countdown, max_retries=None) from None
+        except Exception as exc:  # noqa: BLE001 - header tasks never raise
+            result = _internal_error(payload, exc)
+        return [*previous, result.model_dump(mode="json")]
+
+    return run_call
+
+
+def collect(results: list[Any], order: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Exactly one result per call id in the model's order; a missing one is synthesized.
+
+    `results` is what the header returned: one list of result dicts per header element.
+    """
+    by_id: dict[str, dict[str, Any]] = {}
+    for element in results or []:
+        for item in element if isinstance(element, list) else [element]:
+            if isinstance(item, dict) and "call_id" in item:
+                by_id.setdefault(item["call_id"], item)
+    ordered = []
+    for ref_data in order:
+        ref = CallRef.model_validate(ref_data)
+        found = by_id.get(ref.id)
+        if found is None:
+            call = ToolCall(id=ref.id, name=ref.name, arguments_raw=ref.arguments_raw)
+            error = (
+                errors.outcome_unknown(call, "its result was lost")
+                if ref.side_effect == "unsafe"
+                else errors.execution_error(call, "ResultLost", "the worker returned no result for this call")
+            )
+            found = errors.error_result(call, error).model_dump(mode="json")
+        ordered.append(found)
+    return ordered
+
+
+def register_tasks(app: Celery) -> None:
+    """Register toolchord's tasks on an app made by `create_app`."""
+    for side_effect in TASK_NAMES:
+        _make_call_task(app, side_effect)
+    app.task(name=COLLECT_TASK, typing=False, shared=False)(collect)
+
+
+__all__ = ["COLLECT_TASK", "TASK_NAMES", "CallExecution", "backoff_seconds", "collect", "register_tasks"]

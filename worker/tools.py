@@ -1,0 +1,152 @@
+"""Turning typed Python functions into tools with a policy (shared/DESIGN.md section 3)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any, get_type_hints
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from worker.context import ToolContext
+from worker.models import Risk, SideEffect
+from worker.sandbox.profile import SandboxProfile
+
+DEFAULT_TRANSIENT: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
+
+
+class ToolSpec(BaseModel):
+    """A tool: its handler, its argument model and its execution policy.
+
+    Calling the spec calls the handler directly, so decorated functions stay usable in tests.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    name: str
+    description: str
+    handler: Callable[..., Any]
+    args_model: type[BaseModel]
+    context_param: str | None = Field(default=None, description="Name of the ToolContext parameter.")
+    unpack_args: bool = Field(default=True, description="Pass fields as keyword arguments.")
+    side_effect: SideEffect = "unsafe"
+    timeout: float = Field(default=30.0, gt=0)
+    queue: str | None = None
+    resource: Callable[[dict[str, Any]], str | None] | None = None
+    idempotency_key: Callable[[dict[str, Any]], str] | None = None
+    idempotency_window: float = Field(default=86400.0, gt=0, description="Seconds a business key dedupes.")
+    cancellable: bool = False
+    risk: Risk = "low"
+    sandbox: SandboxProfile = SandboxProfile()
+    max_output_chars: int = Field(default=20_000, ge=200)
+    reconcile: Callable[[dict[str, Any], Any], bool | None] | None = None
+    transient: tuple[type[BaseException], ...] = DEFAULT_TRANSIENT
+    max_retries: int = Field(default=3, ge=0)
+    store_raw_arguments: bool = Field(default=True, description="Keep raw arguments in the event log.")
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.handler)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.handler(*args, **kwargs)
+
+
+def _description(fn: Callable[..., Any]) -> str:
+    doc = inspect.getdoc(fn) or ""
+    return doc.strip() or fn.__name__.replace("_", " ")
+
+
+def _args_model_from_signature(fn: Callable[..., Any], name: str) -> tuple[type[BaseModel], str | None]:
+    """Build a pydantic model from the handler's parameters, skipping the ToolContext one."""
+    hints = get_type_hints(fn, include_extras=True)
+    fields: dict[str, Any] = {}
+    context_param: str | None = None
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise TypeError(f"tool {name!r}: *args/**kwargs cannot be described to a model")
+        annotation = hints.get(param.name, Any)
+        if annotation is ToolContext:
+            context_param = param.name
+            continue
+        default = ... if param.default is inspect.Parameter.empty else param.default
+        fields[param.name] = (annotation, default)
+    model_name = "".join(part.capitalize() for part in name.split("_")) + "Args"
+    model = create_model(model_name, __config__=ConfigDict(extra="forbid"), **fields)
+    return model, context_param
+
+
+def _context_param_for_model(fn: Callable[..., Any]) -> str | None:
+    hints = get_type_hints(fn)
+    return next((p for p, t in hints.items() if t is ToolContext), None)
+
+
+def _model_param(fn: Callable[..., Any]) -> type[BaseModel] | None:
+    """A handler with exactly one non-context parameter typed as a pydantic model takes it whole."""
+    hints = get_type_hints(fn)
+    params = [p for p in inspect.signature(fn).parameters if hints.get(p) is not ToolContext]
+    if len(params) == 1:
+        hint = hints.get(params[0])
+        if isinstance(hint, type) and issubclass(hint, BaseModel):
+            return hint
+    return None
+
+
+def tool(
+    fn: Callable[..., Any] | None = None,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    args_model: type[BaseModel] | None = None,
+    **policy: Any,
+) -> Any:
+    """Make a tool from a typed function; usable bare (`@tool`) or with options (`@tool(side_effect="read")`).
+
+    The argument model comes from the signature (or `args_model`, or a single pydantic-model
+    parameter), the description from the docstring. `policy` takes the ToolSpec fields
+    (side_effect, timeout, queue, resource, idempotency_key, cancellable, risk, sandbox,
+    max_output_chars, reconcile, transient, max_retries, ...). Unknown options are an error.
+    """
+
+    def build(func: Callable[..., Any]) -> ToolSpec:
+        tool_name = name or func.__name__
+        whole = _model_param(func)
+        explicit = args_model or whole
+        if explicit is not None:
+            model, context_param, unpack = explicit, _context_param_for_model(func), whole is None
+        else:
+            model, context_param = _args_model_from_signature(func, tool_name)
+            unpack = True
+        unknown = set(policy) - set(ToolSpec.model_fields)
+        if unknown:
+            raise TypeError(f"tool {tool_name!r}: unknown policy option(s) {sorted(unknown)}")
+        return ToolSpec(
+            name=tool_name,
+            description=description or _description(func),
+            handler=func,
+            args_model=model,
+            context_param=context_param,
+            unpack_args=unpack,
+            **policy,
+        )
+
+    if fn is not None:
+        return build(fn)
+    return build
+
+
+def handler_kwargs(spec: ToolSpec, args: BaseModel, context: ToolContext) -> dict[str, Any]:
+    """Keyword arguments for calling the handler with validated args and its context."""
+    if spec.unpack_args:
+        kwargs: dict[str, Any] = {field: getattr(args, field) for field in type(args).model_fields}
+    else:
+        model_param = next(
+            p for p in inspect.signature(spec.handler).parameters if p != spec.context_param
+        )
+        kwargs = {model_param: args}
+    if spec.context_param:
+        kwargs[spec.context_param] = context
+    return kwargs
+
+
+__all__ = ["DEFAULT_TRANSIENT", "ToolSpec", "handler_kwargs", "tool"]

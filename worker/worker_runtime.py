@@ -1,0 +1,112 @@
+"""Per-process worker state: settings, tools, and the idempotency and spill stores."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from functools import cached_property
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.concurrency.thread import TaskPool as ThreadTaskPool
+from celery.signals import worker_process_init
+
+from worker.config import Settings
+from worker.idempotency import IdempotencyStore, MemoryIdempotencyStore, RedisIdempotencyStore
+from worker.registry import Registry
+from worker.spill import MemorySpillStore, RedisSpillStore, SpillStore, read_output, set_spill_store
+
+_RUNTIMES: weakref.WeakSet[WorkerRuntime] = weakref.WeakSet()
+
+
+class WorkerRuntime:
+    """Per-process state the tasks use: settings, tools, the idempotency and spill stores."""
+
+    def __init__(self, settings: Settings, registry: Registry) -> None:
+        _RUNTIMES.add(self)
+        self.settings = settings
+        self.registry = registry
+        if read_output.name not in registry:
+            registry.add(read_output)
+        self._memory_store = MemoryIdempotencyStore() if settings.redis_url is None else None
+        self._embedded_worker: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @cached_property
+    def redis(self) -> redis.Redis | None:
+        if self.settings.redis_url is None:
+            return None
+        return redis.Redis.from_url(self.settings.redis_url, health_check_interval=30)
+
+    @cached_property
+    def store(self) -> IdempotencyStore:
+        if self._memory_store is not None:
+            return self._memory_store
+        assert self.redis is not None
+        return RedisIdempotencyStore(self.redis)
+
+    @cached_property
+    def spill(self) -> SpillStore:
+        spill: SpillStore = (
+            MemorySpillStore() if self.redis is None else RedisSpillStore(self.redis, self.settings.result_ttl)
+        )
+        set_spill_store(spill)
+        return spill
+
+    def reset_connections(self) -> None:
+        """Forget connections inherited over fork; each pool child opens its own."""
+        for name in ("redis", "store", "spill"):
+            self.__dict__.pop(name, None)
+
+    def start_embedded_worker(self, app: Celery) -> None:
+        """Start the in-process worker thread once (embedded mode only)."""
+        with self._lock:
+            if self._embedded_worker is not None:
+                return
+            # WorkController, not app.Worker: the latter installs signal handlers (main thread only).
+            worker = app.WorkController(
+                pool_cls=AppBoundThreadPool,
+                concurrency=8,
+                loglevel="WARNING",
+                without_heartbeat=True,
+                without_mingle=True,
+                without_gossip=True,
+                queues=sorted(queues_of(self.registry, self.settings)),
+                hostname="embedded@toolchord",
+            )
+            thread = threading.Thread(target=worker.start, name="toolchord-embedded-worker", daemon=True)
+            thread.start()
+            self._embedded_worker = thread
+
+
+class AppBoundThreadPool(ThreadTaskPool):
+    """Celery's thread pool, running tasks of its own app.
+
+    The stock pool resolves task names on `current_app`, which is another app when several
+    embedded orchestrators live in one process (tests, notebooks); passing `app` pins it.
+    """
+
+    def on_apply(self, target: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        return super().on_apply(target, args, {**(kwargs or {}), "app": self.app}, **options)
+
+
+def queues_of(registry: Registry, settings: Settings) -> set[str]:
+    """Every queue the registry's tools use, plus the default one."""
+    return {settings.default_queue} | {spec.queue for spec in registry if spec.queue}
+
+
+def runtime_of(app: Celery) -> WorkerRuntime:
+    """The toolchord runtime attached to an app made by `create_app`."""
+    runtime = getattr(app, "toolchord", None)
+    if not isinstance(runtime, WorkerRuntime):
+        raise TypeError("this Celery app was not made by worker.create_app()")
+    return runtime
+
+
+@worker_process_init.connect
+def _fresh_connections_after_fork(**_: Any) -> None:
+    for runtime in _RUNTIMES:
+        runtime.reset_connections()
+
+
