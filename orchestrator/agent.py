@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import BaseModel, Field
-
-from worker.models import ToolCall, ToolResult
-from worker.registry import Provider, Registry
 
 from orchestrator.eventlog import (
     EventLog,
@@ -27,9 +24,16 @@ from orchestrator.eventlog import (
     open_event_log,
     tools_digest,
 )
-from orchestrator.model_clients import ModelClient, ModelError, ModelReply, make_model_client
+from orchestrator.model_clients import (
+    ModelClient,
+    ModelError,
+    ModelReply,
+    make_model_client,
+)
 from orchestrator.providers import get_adapter
 from orchestrator.request_builder import RequestBuilder, assistant_text, request_digest
+from worker.models import ToolCall, ToolResult
+from worker.registry import Provider, Registry
 
 if TYPE_CHECKING:
     from orchestrator.runtime import Orchestrator
@@ -202,7 +206,7 @@ class Agent:
         if self._own_orchestrator:
             self.orchestrator.close()
 
-    def __enter__(self) -> Agent:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

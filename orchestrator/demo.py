@@ -12,12 +12,11 @@ import json
 import sys
 from typing import TextIO
 
-from worker.models import ToolCall, ToolResult
-from worker.registry import Provider, Registry
-
 from orchestrator.agent import Agent, AgentStep
 from orchestrator.eventlog import EventLog, open_event_log
 from orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, ScriptedTurn
+from worker.models import ToolCall, ToolResult
+from worker.registry import Provider, Registry
 
 DEMO_PROMPT = "Order A-1002 should go to 5 Oak Ave. Check my orders, fix the address, email me, and get a sales report."
 DEMO_SYSTEM = "You are a shop assistant. Use the tools; never guess an order's state."

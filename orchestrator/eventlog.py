@@ -314,6 +314,22 @@ _OPAQUE_KEYS = frozenset({"id", "call_id", "tool_call_id", "tool_use_id", "type"
                           "encrypted_content", "status", "object", "finish_reason", "stop_reason", "name"})
 
 
+def redact_json_text(text: str) -> str:
+    """Redact text that may be JSON (tool arguments) so that valid JSON stays valid JSON.
+
+    Unchanged text is returned as is (byte for byte); text that needed masking is re-serialized
+    compactly; text that is not JSON is redacted as free text.
+    """
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return redact_text(text)
+    masked = redact(parsed)
+    if masked == parsed:
+        return text
+    return json.dumps(masked, ensure_ascii=False, separators=(",", ":"))
+
+
 def redact_payload(value: Any) -> Any:
     """Redact provider payloads (outputs, items) without breaking them.
 
@@ -330,6 +346,8 @@ def redact_payload(value: Any) -> Any:
                 out[key] = item
             elif key == "input" and isinstance(item, dict):
                 out[key] = redact(item)
+            elif key == "arguments" and isinstance(item, str):
+                out[key] = redact_json_text(item)
             elif isinstance(item, str) and item and is_secret_key(key):
                 out[key] = MASK
             else:
@@ -359,7 +377,7 @@ def stored_call(call: ToolCall, store_raw: bool) -> ToolCall:
     """The call as it may be written: secrets masked; raw text withheld unless the tool allows it."""
     arguments = redact(call.arguments) if call.arguments is not None else None
     if store_raw:
-        raw = redact_text(call.arguments_raw)
+        raw = redact_json_text(call.arguments_raw)
     elif arguments is not None:
         raw = json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
     else:
@@ -473,6 +491,7 @@ __all__ = [
     "decode_event",
     "encode_event",
     "open_event_log",
+    "redact_json_text",
     "redact_payload",
     "tools_digest",
 ]

@@ -17,10 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker import errors
-from worker.models import SideEffect, ToolCall, ToolResult
-from worker.registry import Provider
-
 from orchestrator.eventlog import (
     CallParsed,
     CallResult,
@@ -34,6 +30,9 @@ from orchestrator.eventlog import (
     UserInput,
 )
 from orchestrator.providers import ProviderFormatError, get_adapter
+from worker import errors
+from worker.models import SideEffect, ToolCall, ToolResult
+from worker.registry import Provider
 
 RESTORE_REASON = "the conversation was restored after an interruption before it started"
 

@@ -15,11 +15,10 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from worker.models import ToolCall
-from worker.registry import Provider
-
 from orchestrator.providers import get_adapter
 from orchestrator.providers.plain_data import to_plain
+from worker.models import ToolCall
+from worker.registry import Provider
 
 # Local OpenAI-compatible servers ignore the key, but the SDKs refuse to start without one.
 PLACEHOLDER_API_KEY = "not-needed"
@@ -164,4 +163,4 @@ def make_model_client(provider: Provider, *, base_url: str | None = None, api_ke
     return SdkModelClient(provider, base_url=base_url, api_key=api_key, max_retries=max_retries, timeout=timeout)
 
 
-__all__ = ["ModelClient", "ModelError", "ModelReply", "PLACEHOLDER_API_KEY", "SdkModelClient", "make_model_client"]
+__all__ = ["PLACEHOLDER_API_KEY", "ModelClient", "ModelError", "ModelReply", "SdkModelClient", "make_model_client"]

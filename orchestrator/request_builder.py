@@ -23,12 +23,11 @@ import json
 import re
 from typing import Any
 
-from worker.models import ToolCall, ToolResult
-from worker.registry import Provider
-
 from orchestrator.eventlog import EventLog, ToolDeclaration, Transformation, UserInput
 from orchestrator.history_repair import History, Turn, plan_repair
 from orchestrator.providers import get_adapter, parse_arguments
+from worker.models import ToolCall
+from worker.registry import Provider
 
 DEFAULT_MAX_TOKENS = 4096
 _REASONING_TYPES = frozenset({"reasoning", "thinking", "redacted_thinking"})

@@ -210,9 +210,9 @@ def test_reasoning_is_passed_back_verbatim_to_its_provider(tmp_path: Path, provi
     text = request_bytes(request).decode()
     if provider == "responses":
         reasoning = [i for i in request["input"] if i.get("type") == "reasoning"]
-        assert reasoning == [{"id": "rs_001_0", "summary": [{"type": "summary_text", "text": "first look things up"}],
-                              "type": "reasoning", "encrypted_content": "enc::1::first look things up"}] or \
-            reasoning[0]["encrypted_content"] == "enc::1::first look things up"
+        assert len(reasoning) == 1
+        assert reasoning[0]["id"] == "rs_001_0"
+        assert reasoning[0]["encrypted_content"] == "enc::1::first look things up"
     else:
         first_assistant = next(m for m in request["messages"] if m["role"] == "assistant")
         assert first_assistant["content"][0] == {"signature": "sig::1", "thinking": "first look things up",

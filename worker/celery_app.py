@@ -47,7 +47,13 @@ def _celery_config(settings: Settings) -> dict[str, Any]:
             task_send_sent_event=False,
         )
     else:
-        transport = {"visibility_timeout": settings.visibility_timeout}
+        transport = {
+            "visibility_timeout": settings.visibility_timeout,
+            # Kombu sweeps for messages of dead workers every interval x throttle seconds (100 s
+            # by default); sweep a few times per visibility timeout so redelivery follows it.
+            "unacked_restore_interval": max(1, settings.visibility_timeout // 4),
+            "unacked_restore_throttle": 1,
+        }
         config.update(
             broker_url=settings.broker_url,
             result_backend=settings.result_backend,

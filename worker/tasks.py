@@ -94,7 +94,7 @@ class CallExecution:
             return self._not_executed(f"the idempotency store was unreachable ({type(exc).__name__})")
         if claim.state is ClaimState.STORED:
             assert claim.result_json is not None
-            return ToolResult.model_validate_json(claim.result_json)
+            return self._for_this_call(claim.result_json)
         if store.cancelled(self.p.cancel_scope):
             store.release(self.p.key, token, forget_start=True)
             return self._not_executed("the turn was cancelled before it started")
@@ -193,7 +193,11 @@ class CallExecution:
             # The handler already ran: hand its result back through the chord even if it cannot be stored.
             log.warning("could not store the result of call %s; returning it unstored", self.call.id)
             return result
-        return ToolResult.model_validate_json(stored)
+        return self._for_this_call(stored)
+
+    def _for_this_call(self, stored_json: str) -> ToolResult:
+        """A stored result, re-addressed to this call: a business key may have stored another call's."""
+        return ToolResult.model_validate_json(stored_json).model_copy(update={"call_id": self.call.id})
 
     def _not_executed(self, reason: str) -> ToolResult:
         return errors.error_result(self.call, errors.not_executed(self.call, reason), attempts=self.attempt)

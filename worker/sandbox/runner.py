@@ -79,7 +79,7 @@ DEVICE_PATHS: tuple[str, ...] = (
 _log = logging.getLogger("toolchord.sandbox")
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
-_read_paths_cache: tuple[str, ...] | None = None
+_read_paths_cache: tuple[int, tuple[str, ...]] | None = None
 # Children that delivered their result and were killed but not yet reaped: waiting for the kernel
 # to tear down a forked worker image costs a millisecond or more, so it happens off the call path.
 _unreaped: set[int] = set()
@@ -212,25 +212,39 @@ def _remove_tree(path: str) -> None:
 
 
 def _read_paths(profile: SandboxProfile) -> tuple[str, ...]:
-    """System directories, the interpreter and the code already imported (read-only in the child)."""
+    """System directories, the interpreter and the code already imported (read-only in the child).
+
+    The worker's current directory is not granted as a whole even when it is on sys.path (it is
+    often the project root, next to configuration and .env files); the modules and packages
+    imported from it are, one by one. Recomputed when new modules were imported.
+    """
     global _read_paths_cache
-    if _read_paths_cache is None:
+    module_count = len(sys.modules)
+    if _read_paths_cache is None or _read_paths_cache[0] != module_count:
+        cwd = os.getcwd()
         paths = dict.fromkeys(SYSTEM_READ_PATHS)
         paths.update(dict.fromkeys((sys.prefix, sys.base_prefix, sys.exec_prefix)))
-        paths.update(dict.fromkeys(os.path.abspath(p) for p in sys.path if p))
+        paths.update(
+            dict.fromkeys(
+                p for p in (os.path.abspath(p) for p in sys.path if p) if p != cwd
+            )
+        )
         for name, module in list(sys.modules.items()):
-            # Top-level packages loaded through path hooks (editable installs) are not on sys.path.
+            # Top-level modules found through path hooks (editable installs) or the current
+            # directory: a package grants its directory, a single module only its file.
             origin = getattr(module, "__file__", None)
             if "." not in name and origin:
-                paths[os.path.dirname(os.path.abspath(origin))] = None
+                origin = os.path.abspath(origin)
+                is_package = os.path.basename(origin).startswith("__init__.")
+                paths[os.path.dirname(origin) if is_package else origin] = None
         existing = sorted((p for p in paths if os.path.exists(p)), key=len)
         # A rule covers the whole subtree: nested entries only cost extra syscalls per call.
         kept: list[str] = []
         for path in existing:
             if not any(path == k or path.startswith(k.rstrip("/") + "/") for k in kept):
                 kept.append(path)
-        _read_paths_cache = tuple(kept)
-    return (*_read_paths_cache, *profile.read_paths)
+        _read_paths_cache = (module_count, tuple(kept))
+    return (*_read_paths_cache[1], *profile.read_paths)
 
 
 def _supervise(

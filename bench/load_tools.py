@@ -1,0 +1,84 @@
+"""Tools the load test runs on real workers (`TOOLCHORD_TOOL_MODULES=bench.load_tools`).
+
+Every call counts its side effect in Redis under its `tag` (one tag per call of the load), so
+the ledger can tell how often each call really ran. `*_inproc` tools run in the pool process
+(`sandbox={"isolate": False}`) for the throughput figures; the others use the default sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from functools import cache
+
+import redis
+from celery.signals import worker_ready
+
+from worker import tool
+from worker.sandbox.profile import SandboxProfile
+
+EFFECTS_PREFIX = "toolchord-bench:effects:"
+READY_PREFIX = "toolchord-bench:ready:"
+# Long enough that a queue backlog of a few thousand calls never hits a turn's deadline.
+LOAD_TOOL_TIMEOUT = 60.0
+
+# Read at import in the worker: the sandbox scrubs the environment before handlers run.
+_REDIS_URL = os.environ.get("TOOLCHORD_REDIS_URL") or os.environ.get("TOOLCHORD_BROKER_URL", "")
+_IN_PROCESS = SandboxProfile(isolate=False)
+
+
+@cache
+def _ledger(pid: int) -> redis.Redis:
+    # Keyed by pid: a client inherited over fork must not be shared with the parent.
+    return redis.Redis.from_url(_REDIS_URL)
+
+
+@worker_ready.connect
+def _announce_ready(sender: object = None, **_: object) -> None:
+    """Tell the load driver this worker consumes (log lines are off at load: they cost throughput)."""
+    hostname = getattr(sender, "hostname", "")
+    if _REDIS_URL and hostname:
+        _ledger(os.getpid()).set(READY_PREFIX + hostname, str(time.time()))
+
+
+def _act(tag: str, work_ms: float) -> int:
+    count = int(_ledger(os.getpid()).incr(EFFECTS_PREFIX + tag))
+    if work_ms > 0:
+        time.sleep(work_ms / 1000)
+    return count
+
+
+@tool(side_effect="read", timeout=LOAD_TOOL_TIMEOUT, sandbox=_IN_PROCESS)
+def load_read_inproc(tag: str, work_ms: float = 0.0) -> int:
+    """Count one run of this call, then work for `work_ms`."""
+    return _act(tag, work_ms)
+
+
+@tool(side_effect="idempotent", timeout=LOAD_TOOL_TIMEOUT, sandbox=_IN_PROCESS)
+def load_idempotent_inproc(tag: str, work_ms: float = 0.0) -> int:
+    """Count one run of this call, then work for `work_ms`."""
+    return _act(tag, work_ms)
+
+
+@tool(side_effect="unsafe", timeout=LOAD_TOOL_TIMEOUT, sandbox=_IN_PROCESS)
+def load_unsafe_inproc(tag: str, work_ms: float = 0.0) -> int:
+    """Count one run of this call, then work for `work_ms`."""
+    return _act(tag, work_ms)
+
+
+@tool(side_effect="read", timeout=LOAD_TOOL_TIMEOUT)
+def load_read_sandboxed(tag: str, work_ms: float = 0.0) -> int:
+    """Count one run of this call, then work for `work_ms`."""
+    return _act(tag, work_ms)
+
+
+@tool(side_effect="idempotent", timeout=LOAD_TOOL_TIMEOUT)
+def load_idempotent_sandboxed(tag: str, work_ms: float = 0.0) -> int:
+    """Count one run of this call, then work for `work_ms`."""
+    return _act(tag, work_ms)
+
+
+@tool(side_effect="unsafe", timeout=LOAD_TOOL_TIMEOUT)
+def load_unsafe_sandboxed(tag: str, work_ms: float = 0.0) -> int:
+    """Count one run of this call, then work for `work_ms`."""
+    return _act(tag, work_ms)

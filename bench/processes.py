@@ -1,0 +1,162 @@
+"""Private infrastructure for benchmarks and tests: a redis-server and real Celery worker processes.
+
+Both run in their own process group so that stopping them also stops their children (pool
+processes, sandboxes). Nothing here depends on pytest; `tests/conftest.py` can wrap these classes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import redis
+from celery import Celery
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ProcessStartError(RuntimeError):
+    """A helper process could not be started (missing binary, early exit, not ready in time)."""
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _stop_group(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM the process group, then SIGKILL it if it is still there after `timeout`."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        proc.wait()
+
+
+class RedisServer:
+    """A private redis-server on a free loopback port, with nothing persisted."""
+
+    def __init__(self, workdir: Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ProcessStartError(
+                "redis-server is not installed (Debian/Ubuntu: apt-get install redis-server)"
+            )
+        self.binary = binary
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 5.0) -> None:
+        """Start the server and wait until it answers PING."""
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir), "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    client.ping()
+                    return
+                except redis.ConnectionError:
+                    if self.proc.poll() is not None:
+                        break
+                    time.sleep(0.02)
+        finally:
+            client.close()
+        self.stop()
+        raise ProcessStartError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        """Kill the server (nothing is persisted, so there is nothing to flush)."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.proc = None
+
+
+def worker_env(redis_url: str, tool_modules: str, base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """Environment for a worker on `redis_url` loading `tool_modules`; other TOOLCHORD_* variables dropped."""
+    source = os.environ if base is None else base
+    env = {k: v for k, v in source.items() if not k.startswith("TOOLCHORD_")}
+    env.update(
+        TOOLCHORD_BROKER_URL=redis_url,
+        TOOLCHORD_TOOL_MODULES=tool_modules,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")])),
+    )
+    env.update(extra)
+    return env
+
+
+class WorkerProcess:
+    """A real `celery worker` (prefork pool) on toolchord's app, in its own process group."""
+
+    def __init__(self, env: dict[str, str], queues: str, concurrency: int, name: str, log: Path,
+                 loglevel: str = "INFO") -> None:
+        self.env, self.queues, self.concurrency, self.name, self.log = env, queues, concurrency, name, log
+        self.loglevel = loglevel
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start the worker and wait for its ` ready.` log line."""
+        with self.log.open("ab") as handle:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "worker.celery_app:app", "worker", "--pool", "prefork",
+                 "--concurrency", str(self.concurrency), "--queues", self.queues, "--hostname", f"{self.name}@%h",
+                 "--loglevel", self.loglevel, "--without-mingle", "--without-gossip", "--task-events"],
+                env=self.env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        # Celery logs " ready." at INFO; above that level, ask the worker itself with a control ping.
+        pinger = Celery("toolchord-ping", broker=self.env["TOOLCHORD_BROKER_URL"], set_as_current=False)
+        node = f"{self.name}@{socket.gethostname()}"
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise ProcessStartError(f"worker {self.name} exited early:\n{self._log_tail()}")
+                if b" ready." in self.log.read_bytes() or pinger.control.ping(destination=[node], timeout=0.2):
+                    return
+        finally:
+            pinger.close()
+        self.kill()
+        raise ProcessStartError(f"worker {self.name} not ready in {timeout}s:\n{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: main process, pool children and sandboxes."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Warm shutdown (SIGTERM to the group), then SIGKILL after `timeout`."""
+        if self.proc is not None:
+            _stop_group(self.proc, timeout)
+
+
+__all__ = ["ROOT", "ProcessStartError", "RedisServer", "WorkerProcess", "free_port", "worker_env"]

@@ -1,0 +1,206 @@
+"""Fault injection with real Redis and real workers killed with SIGKILL (issue 4).
+
+Each test adds a row to the fault summary printed at the end of the run: calls, side effects
+observed, results returned, lost (calls without exactly one result) — lost must be 0.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from orchestrator import Orchestrator
+from orchestrator.turn import TurnResult
+from tests.conftest import ROOT, worker_env
+from worker import ErrorCode, Registry, ToolCall
+from worker.celery_app import create_app
+from worker.config import Settings
+from worker.payloads import CallPayload
+from worker.tasks import TASK_NAMES
+
+pytestmark = pytest.mark.slow
+
+TOOLS = "tests.celery_tools"
+ROWS: list[tuple[str, int, int, int, int]] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fault_summary(request: pytest.FixtureRequest):
+    yield
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or not ROWS:
+        return
+    reporter.write_line("")
+    reporter.write_line(f"{'fault':<44} {'calls':>5} {'effects':>7} {'results':>7} {'lost':>4}")
+    for name, calls, effects, results, lost in ROWS:
+        reporter.write_line(f"{name:<44} {calls:>5} {effects:>7} {results:>7} {lost:>4}")
+
+
+def record(name: str, turn: TurnResult, effects: int) -> None:
+    ids = [c.id for c in turn.calls]
+    result_ids = [r.call_id for r in turn.results]
+    lost = sum(1 for i in ids if result_ids.count(i) != 1)
+    ROWS.append((name, len(ids), effects, len(turn.results), lost))
+    assert lost == 0
+
+
+def settings_for(url: str) -> Settings:
+    return Settings(broker_url=url, result_backend=url, redis_url=url, visibility_timeout=8, claim_lease=2)
+
+
+def orchestrator(url: str, **kwargs: object) -> Orchestrator:
+    registry = Registry.from_modules([TOOLS])
+    return Orchestrator(registry, create_app(settings_for(url), registry), **kwargs)  # type: ignore[arg-type]
+
+
+def call(i: int, name: str, **args: object) -> ToolCall:
+    return ToolCall(id=f"call_{i}", name=name, arguments_raw=json.dumps(args), index=i)
+
+
+def effects(client: redis.Redis, key: str) -> int:
+    return int(client.get(f"tc-test:effects:{key}") or 0)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def run_in_thread(fn, *args):
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("value", fn(*args)), daemon=True)
+    thread.start()
+    return thread, box
+
+
+def test_worker_sigkilled_mid_call_for_each_side_effect_class(start_worker, redis_url, clean_redis):
+    first = start_worker(TOOLS, concurrency=3, name="victim")
+    orch = orchestrator(redis_url)
+    calls = [call(0, "effect_read", key="k-read", seconds=3), call(1, "effect_idempotent", key="k-idem", seconds=3),
+             call(2, "effect_unsafe", key="k-unsafe", seconds=3)]
+    thread, box = run_in_thread(orch.run_calls, "s-kill", calls)
+    wait_for(lambda: all(effects(clean_redis, k) == 1 for k in ("k-read", "k-idem", "k-unsafe")), 20, "handlers to start")
+    first.kill()
+    start_worker(TOOLS, concurrency=3, name="rescuer")
+    thread.join(90)
+    turn: TurnResult = box["value"]
+    read, idem, unsafe = turn.results
+    # read and idempotent calls are redelivered and re-run to completion.
+    assert read.status == "ok" and effects(clean_redis, "k-read") == 2
+    assert idem.status == "ok" and effects(clean_redis, "k-idem") == 2
+    # The unsafe call ran exactly once and the model is told the truth.
+    assert unsafe.error is not None and unsafe.error.code == ErrorCode.OUTCOME_UNKNOWN
+    assert effects(clean_redis, "k-unsafe") == 1
+    record("worker SIGKILL mid-call (read, idempotent, unsafe)", turn,
+           sum(effects(clean_redis, k) for k in ("k-read", "k-idem", "k-unsafe")))
+
+
+def test_same_task_delivered_twice_concurrently(start_worker, redis_url, clean_redis):
+    start_worker(TOOLS, concurrency=4)
+    app = create_app(settings_for(redis_url), Registry.from_modules([TOOLS]))
+    outcomes = []
+    for side_effect in ("read", "idempotent", "unsafe"):
+        key = f"dup-{side_effect}"
+        payload = CallPayload(
+            call=call(0, f"effect_{side_effect}", key=key, seconds=0.5), arguments={"key": key, "seconds": 0.5},
+            key=f"idem-{key}", session_id="s-dup", turn_id="t-dup", deadline=time.time() + 60,
+        ).model_dump(mode="json")
+        # Two deliveries of one call (as a redelivering broker would), in flight together.
+        pair = [app.signature(TASK_NAMES[side_effect], kwargs={"payload": payload}).apply_async() for _ in range(2)]
+        results = [r.get(timeout=30) for r in pair]
+        assert results[0] == results[1]
+        assert effects(clean_redis, key) == 1
+        outcomes.append(results[0][0])
+    turn = TurnResult(session_id="s-dup", turn_id="t-dup", provider="chat",
+                      calls=[call(0, "x")], results=[])
+    ROWS.append(("same task delivered twice concurrently (x3)", 6,
+                 sum(effects(clean_redis, f"dup-{s}") for s in ("read", "idempotent", "unsafe")), 6, 0))
+    assert turn.session_id == "s-dup" and len(outcomes) == 3
+
+
+def test_redis_restarted_between_dispatch_and_collect(start_worker, redis_server, redis_url, clean_redis, tmp_path):
+    start_worker(TOOLS, concurrency=2)
+    orch = orchestrator(redis_url, turn_timeout=12)
+    ledger = tmp_path / "ledger"
+    thread, box = run_in_thread(orch.run_calls, "s-redis", [call(0, "effect_unsafe", key="k-r", seconds=2)])
+    wait_for(lambda: effects(clean_redis, "k-r") == 1, 20, "the handler to start")
+    ledger.write_text("1")
+    redis_server.stop()
+    time.sleep(0.5)
+    redis_server.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the turn hung after a Redis restart"
+    turn = box.get("value")
+    assert turn is not None, "run_calls raised instead of returning"
+    result = turn.results[0]
+    # Redis lost everything (no persistence): the result is the handler's if it was stored after the
+    # restart, otherwise the truth for an unsafe call is OUTCOME_UNKNOWN — never a second run.
+    assert result.status == "ok" or result.error.code in (ErrorCode.OUTCOME_UNKNOWN, ErrorCode.NOT_EXECUTED)
+    assert effects(clean_redis, "k-r") == 0  # the ledger was in the restarted Redis: no run after it
+    record("Redis restarted between dispatch and collect", turn, int(ledger.read_text()))
+
+
+ORCHESTRATOR_SCRIPT = """
+import json, sys
+from tests.test_faults import orchestrator, call
+orch = orchestrator(sys.argv[1])
+orch.run_calls("s-resume", [call(0, "effect_unsafe", key="k-o1", seconds=3), call(1, "effect_read", key="k-o2", seconds=3)])
+"""
+
+
+def test_orchestrator_killed_mid_turn_and_resumed(start_worker, redis_url, clean_redis):
+    start_worker(TOOLS, concurrency=2)
+    env = worker_env(redis_url, TOOLS)
+    proc = subprocess.Popen([sys.executable, "-c", ORCHESTRATOR_SCRIPT, redis_url], cwd=ROOT, env=env)
+    wait_for(lambda: effects(clean_redis, "k-o1") == 1 and effects(clean_redis, "k-o2") == 1, 30, "calls to start")
+    proc.kill()
+    proc.wait()
+    orch = orchestrator(redis_url)
+    turn = orch.resume("s-resume")
+    assert turn is not None
+    assert [r.status for r in turn.results] == ["ok", "ok"]
+    assert effects(clean_redis, "k-o1") == 1 and effects(clean_redis, "k-o2") == 1
+    # Resuming again returns the finished turn without running anything.
+    assert orch.resume("s-resume") is None
+    assert orch.run_calls("s-resume", turn.calls, turn_id=turn.turn_id).results == turn.results
+    record("orchestrator SIGKILL mid-turn, then resume", turn,
+           effects(clean_redis, "k-o1") + effects(clean_redis, "k-o2"))
+
+
+def test_late_result_reported_in_next_turn(start_worker, redis_url, clean_redis):
+    start_worker(TOOLS, concurrency=2)
+    orch = orchestrator(redis_url, turn_timeout=1.0)
+    first = orch.run_calls("s-late", [call(0, "effect_read", key="k-late", seconds=2)])
+    assert first.results[0].error.code == ErrorCode.TIMEOUT
+    time.sleep(2.5)
+    orch.turn_timeout = 10
+    second = orch.run_calls("s-late", [call(1, "echo", text="next")])
+    assert [r.call_id for r in second.late_results] == ["call_0"]
+    assert second.late_results[0].status == "ok" and second.late_results[0].content == "1"
+    assert "call_0" in second.late_results_text()
+    # Reported once only.
+    third = orch.run_calls("s-late", [call(2, "echo", text="again")])
+    assert third.late_results == []
+    record("turn deadline passed, result arrived late", first, effects(clean_redis, "k-late"))
+
+
+def test_business_key_dedupes_across_turns(start_worker, redis_url, clean_redis):
+    start_worker(TOOLS, concurrency=2)
+    orch = orchestrator(redis_url)
+    one = orch.run_calls("s-biz", [call(0, "charge", order_id="o-1", cents=500)])
+    two = orch.run_calls("s-biz", [call(1, "charge", order_id="o-1", cents=500)])
+    assert one.results[0].content == two.results[0].content == "charged 500 for o-1 (charge #1)"
+    assert two.results[0].call_id == "call_1"
+    assert int(clean_redis.get("tc-test:charges:o-1")) == 1
+    record("same business action re-issued in a later turn", two, 1)
