@@ -130,7 +130,11 @@ class CallResult(_Event):
 
 
 class LateResult(_Event):
-    """A result that arrived after its call had already been answered; kept for audit, never rendered."""
+    """A result that arrived after its call had already been answered (TIMEOUT, OUTCOME_UNKNOWN...).
+
+    Rendered as a note in the next user message (request_builder.late_result_note), never as a
+    second result for the call.
+    """
 
     type: Literal["late_result"] = "late_result"
     turn_id: str

@@ -22,6 +22,7 @@ from orchestrator.eventlog import (
     CallResult,
     CallStarted,
     Event,
+    LateResult,
     ModelOutput,
     SessionStarted,
     ToolsDeclared,
@@ -63,7 +64,7 @@ class History:
     events: list[Event]
     session: SessionStarted | None = None
     tools: ToolsDeclared | None = None
-    entries: list[tuple[int, UserInput | Turn]] = field(default_factory=list)
+    entries: list[tuple[int, UserInput | Turn | LateResult]] = field(default_factory=list)
     orphans: list[int] = field(default_factory=list)
     duplicates: list[int] = field(default_factory=list)
 
@@ -77,7 +78,7 @@ class History:
                 history.session = event
             elif isinstance(event, ToolsDeclared):
                 history.tools = event
-            elif isinstance(event, UserInput):
+            elif isinstance(event, (UserInput, LateResult)):
                 history.entries.append((seq, event))
             elif isinstance(event, ModelOutput):
                 turn = Turn(seq=seq, output=event, calls=[])

@@ -7,11 +7,12 @@ Errors found here never reach a worker: they become results directly (DESIGN.md 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, SecretBytes, SecretStr, ValidationError
 
 from worker import errors
 from worker.context import ToolContext
@@ -19,8 +20,10 @@ from worker.idempotency import idempotency_key
 from worker.models import ToolCall, ToolResult
 from worker.registry import Registry
 from worker.runner import execute_call
-from worker.spill import SpillStore, spill_store
+from worker.spill import SpillStore, read_output, read_output_tool, spill_store
 from worker.tools import ToolSpec
+
+_log = logging.getLogger("toolchord.pipeline")
 
 PermissionHook = Callable[[ToolCall, ToolSpec], "bool | str | None"]
 """Decides a call before it runs: True allows; False or a reason string refuses; None abstains
@@ -37,16 +40,30 @@ class PreparedCall(BaseModel):
     idempotency_key: str
 
 
+class _NotJsonConstant(ValueError):
+    """NaN/Infinity: Python's json reads them, but they are not JSON and no provider sends them."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise _NotJsonConstant(name)
+
+
 def parse_arguments(call: ToolCall) -> dict[str, Any] | ToolResult:
-    """The call's arguments as a JSON object, or an INVALID_JSON result."""
+    """The call's arguments as a JSON object, or an INVALID_JSON result.
+
+    The rules match the provider adapters' (orchestrator.providers.parse_arguments), so a call
+    that ran has the arguments the rebuilt history shows.
+    """
     raw = call.arguments_raw
     if not raw.strip():
         # Chat models send "" for tools without parameters.
         return {}
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
         return errors.error_result(call, errors.invalid_json(call, exc))
+    except _NotJsonConstant as exc:
+        return errors.error_result(call, errors.invalid_json(call, f"{exc} is not valid JSON (use a number or null)"))
     except (ValueError, RecursionError) as exc:
         return errors.error_result(call, errors.invalid_json(call, f"unreadable input ({type(exc).__name__})"))
     if not isinstance(value, dict):
@@ -55,8 +72,13 @@ def parse_arguments(call: ToolCall) -> dict[str, Any] | ToolResult:
 
 
 def check_permission(call: ToolCall, spec: ToolSpec, hook: PermissionHook | None) -> ToolResult | None:
-    """A PERMISSION_DENIED result, or None when the call may run."""
-    decision = hook(call, spec) if hook is not None else None
+    """A PERMISSION_DENIED result, or None when the call may run. A hook that raises refuses."""
+    try:
+        decision = hook(call, spec) if hook is not None else None
+    except Exception as exc:  # noqa: BLE001 - fail closed, and keep one result per call
+        _log.exception("permission hook failed for %s (call %s)", call.name, call.id)
+        reason = f"the permission check failed ({type(exc).__name__}), so the call was refused"
+        return errors.error_result(call, errors.permission_denied(call, reason))
     if decision is True or (decision is None and spec.risk == "low"):
         return None
     if isinstance(decision, str) and decision:
@@ -66,6 +88,25 @@ def check_permission(call: ToolCall, spec: ToolSpec, hook: PermissionHook | None
     else:
         reason = "the permission policy refused it"
     return errors.error_result(call, errors.permission_denied(call, reason))
+
+
+def _with_secrets(value: Any, dumped: Any) -> Any:
+    """`dumped` (a JSON-mode dump of `value`) with SecretStr/SecretBytes values put back.
+
+    JSON-mode dumps mask secrets as "**********", but the handler must receive the real value:
+    the arguments are re-validated on the worker. Redaction happens where text leaves (errors, logs).
+    """
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, SecretBytes):
+        return value.get_secret_value().decode("utf-8", "replace")
+    if isinstance(value, BaseModel) and isinstance(dumped, dict):
+        return {key: _with_secrets(getattr(value, key, None), item) for key, item in dumped.items()}
+    if isinstance(value, (list, tuple)) and isinstance(dumped, list) and len(value) == len(dumped):
+        return [_with_secrets(v, d) for v, d in zip(value, dumped)]
+    if isinstance(value, dict) and isinstance(dumped, dict):
+        return {key: _with_secrets(value.get(key), item) for key, item in dumped.items()}
+    return dumped
 
 
 def prepare_call(
@@ -85,7 +126,7 @@ def prepare_call(
     denied = check_permission(call, spec, permission_hook)
     if denied is not None:
         return denied
-    arguments = validated.model_dump(mode="json")
+    arguments = _with_secrets(validated, validated.model_dump(mode="json"))
     return PreparedCall(
         call=call, arguments=arguments, idempotency_key=idempotency_key(spec, session_id, call.id, arguments)
     )
@@ -104,6 +145,10 @@ class Pipeline:
         self.registry = registry
         self.permission_hook = permission_hook
         self.spill = spill if spill is not None else spill_store()
+        # Cut outputs point the model at read_output; like the Orchestrator, make sure it exists,
+        # reading the store this pipeline spills into.
+        if read_output.name not in registry:
+            registry.add(read_output if spill is None else read_output_tool(spill))
 
     def run(self, call: ToolCall, session_id: str = "local") -> ToolResult:
         """Exactly one result for the call; never raises for anything the model or handler did."""

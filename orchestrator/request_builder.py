@@ -23,7 +23,7 @@ import json
 import re
 from typing import Any
 
-from orchestrator.eventlog import EventLog, ToolDeclaration, Transformation, UserInput
+from orchestrator.eventlog import EventLog, LateResult, ToolDeclaration, Transformation, UserInput
 from orchestrator.history_repair import History, Turn, plan_repair
 from orchestrator.providers import get_adapter, parse_arguments
 from worker.models import ToolCall
@@ -166,6 +166,20 @@ def _assistant_in(target: Provider, texts: list[str], calls: list[ToolCall]) -> 
 # --- rendering --------------------------------------------------------------------------------
 
 
+def late_result_note(late: LateResult) -> str:
+    """What the model is told when a call it was given up on has finished after all.
+
+    The call already has a result (TIMEOUT, OUTCOME_UNKNOWN, ...) in its own turn; providers allow
+    one result per call, so the real outcome arrives as a note in the next user message.
+    """
+    result = late.result
+    return (
+        f"[toolchord] Call {result.call_id} ({result.name}) from an earlier turn finished after its "
+        f"turn had ended; this supersedes the error reported for it then. Status: {result.status}.\n"
+        f"{result.content}"
+    )
+
+
 def _user_message(target: Provider, text: str) -> dict[str, Any]:
     return {"role": "user", "content": text}
 
@@ -197,6 +211,9 @@ def render(history: History, provider: Provider | None = None, *, model: str | N
     for _, entry in history.entries:
         if isinstance(entry, UserInput):
             _append_message(target, messages, _user_message(target, entry.text))
+            continue
+        if isinstance(entry, LateResult):
+            _append_message(target, messages, _user_message(target, late_result_note(entry)))
             continue
         turn: Turn = entry
         missing = turn.missing()
@@ -360,6 +377,7 @@ __all__ = [
     "RequestBuilder",
     "assistant_text",
     "check_pairing",
+    "late_result_note",
     "render",
     "render_tools",
     "request_bytes",

@@ -86,12 +86,14 @@ def test_chord_of_one_and_of_64(start_worker, redis_url, size):
 
 
 def test_two_queues_two_workers(start_worker, redis_url):
-    start_worker(TOOLS, queues="toolchord", name="wa", TC_TEST_WORKER="wa")
+    first = start_worker(TOOLS, queues="toolchord", name="wa", TC_TEST_WORKER="wa")
     start_worker(TOOLS, queues="b", name="wb", TC_TEST_WORKER="wb")
     orch = make_orchestrator(redis_url)
     turn = orch.run_calls("s-queues", [call(0, "where", x=1), call(1, "echo", text="default")])
     assert turn.results[0].content == "wb:1"
     assert turn.results[1].content == "default"
+    # Each worker says at start which sandbox layers are active.
+    assert "sandbox layers: rlimits=" in first.log.read_text()
 
 
 def test_turn_deadline_never_hangs(start_worker, redis_url):

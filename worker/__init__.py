@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from worker.context import ToolContext
 from worker.execution import HandlerOutcome, ToolOutput, call_handler
 from worker.models import ErrorCode, Risk, SideEffect, ToolCall, ToolError, ToolResult, Truncation
 from worker.registry import PROVIDERS, DuplicateToolError, Provider, Registry, declaration
 from worker.sandbox.profile import SandboxProfile
 from worker.tools import ToolSpec, tool
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from worker.celery_app import create_app
+
+    app: Celery
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing the Celery app reads the environment and imports the configured tool
+    # modules, which must not happen just because someone imported `worker.tool`.
+    if name in ("app", "create_app"):
+        from worker import celery_app
+
+        return getattr(celery_app, name)
+    raise AttributeError(f"module 'worker' has no attribute {name!r}")
 
 __all__ = [
     "PROVIDERS",
@@ -25,6 +44,8 @@ __all__ = [
     "ToolOutput",
     "ToolResult",
     "ToolSpec",
+    "app",
+    "create_app",
     "Truncation",
     "call_handler",
     "declaration",

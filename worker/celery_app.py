@@ -36,7 +36,6 @@ def _celery_config(settings: Settings) -> dict[str, Any]:
         "task_send_sent_event": True,
         "task_track_started": True,
         "broker_connection_retry_on_startup": True,
-        "worker_hijack_root_logger": False,
     }
     if settings.embedded:
         config.update(
@@ -45,6 +44,8 @@ def _celery_config(settings: Settings) -> dict[str, Any]:
             broker_transport_options={"polling_interval": EMBEDDED_POLL_SECONDS},
             worker_send_task_events=False,
             task_send_sent_event=False,
+            # The embedded worker lives in the user's process: leave its logging alone.
+            worker_hijack_root_logger=False,
         )
     else:
         transport = {

@@ -13,11 +13,12 @@ from __future__ import annotations
 import difflib
 import json
 from collections.abc import Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
 from worker.models import ErrorCode, ToolCall, ToolError, ToolResult
-from worker.redaction import excerpt
+from worker.redaction import MASK, excerpt, is_secret_key, redact_text, well_formed
 
 _VERIFY = "Do not retry blindly: check whether the action took effect (for example by reading its state) before calling again."
 
@@ -76,16 +77,50 @@ def invalid_json(call: ToolCall, problem: json.JSONDecodeError | str) -> ToolErr
     )
 
 
+def _field_path(loc: tuple[int | str, ...], error_type: str, arguments: Any) -> tuple[int | str, ...]:
+    """Where an error is in the arguments, without the union-member tags pydantic adds to `loc`.
+
+    For `x: int | str` pydantic reports `x.int` and `x.str`; those tags are not fields the model
+    can fix. A part is kept when it exists in the arguments (or names the missing field).
+    """
+    path: list[int | str] = []
+    node = arguments
+    for position, part in enumerate(loc):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif not (error_type == "missing" and position == len(loc) - 1):
+            continue
+        path.append(part)
+    return tuple(path)
+
+
+def _field_line(field: str, errs: list[dict[str, Any]], secret: bool) -> str:
+    types = {err["type"] for err in errs}
+    if "missing" in types:
+        return f"- {field}: required field is missing"
+    if "extra_forbidden" in types:
+        return f"- {field}: unexpected field (not a parameter of this tool)"
+    problems = "; or ".join(dict.fromkeys(well_formed(redact_text(err["msg"])) for err in errs))
+    got = MASK if secret else excerpt(errs[0].get("input"), 80)
+    return f"- {field}: {problems} (got {got})"
+
+
 def invalid_arguments(call: ToolCall, exc: ValidationError) -> ToolError:
-    lines = []
+    """One line per field (a union's alternatives share it); values of secret-named fields masked."""
+    by_field: dict[tuple[int | str, ...], list[dict[str, Any]]] = {}
     for err in exc.errors(include_url=False):
-        field = ".".join(str(part) for part in err["loc"]) or "(arguments)"
-        if err["type"] == "missing":
-            lines.append(f"- {field}: required field is missing")
-        elif err["type"] == "extra_forbidden":
-            lines.append(f"- {field}: unexpected field (not a parameter of this tool)")
-        else:
-            lines.append(f"- {field}: {err['msg']} (got {excerpt(err.get('input'), 80)})")
+        path = _field_path(tuple(err["loc"]), err["type"], call.arguments)
+        by_field.setdefault(path, []).append(err)
+    lines = [
+        _field_line(
+            ".".join(str(part) for part in path) or "(arguments)",
+            errs,
+            secret=any(isinstance(part, str) and is_secret_key(part) for part in path),
+        )
+        for path, errs in by_field.items()
+    ]
     return ToolError(
         code=ErrorCode.INVALID_ARGUMENTS,
         message=f"the arguments for {call.name!r} do not match its parameters:\n" + "\n".join(lines),

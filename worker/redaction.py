@@ -14,6 +14,10 @@ from typing import Any
 from pydantic import SecretBytes, SecretStr
 
 MASK = "[REDACTED]"
+TOO_DEEP = "[NESTED TOO DEEP]"
+# Tool arguments come from a model: nesting beyond this is never meaningful, and walking it
+# recursively would overflow the stack (json.loads accepts far deeper input than Python recursion).
+_MAX_DEPTH = 64
 
 _SECRET_KEY = re.compile(
     r"(pass(word|wd|phrase)?|secret|token|api[-_]?key|apikey|auth(orization)?|credential|"
@@ -49,20 +53,38 @@ def redact_text(text: str) -> str:
     return _KEY_VALUE.sub(lambda m: f"{m['key']}{m['sep']}{MASK}", text)
 
 
-def redact(value: Any) -> Any:
-    """Return a copy of a JSON-like value with secrets masked (by key name, type, or shape)."""
+def redact(value: Any, _depth: int = 0) -> Any:
+    """Return a copy of a JSON-like value with secrets masked (by key name, type, or shape).
+
+    Values nested deeper than 64 levels are replaced by a marker rather than walked.
+    """
+    if _depth > _MAX_DEPTH:
+        return TOO_DEEP
     if isinstance(value, (SecretStr, SecretBytes)):
         return MASK
     if isinstance(value, dict):
         return {
-            key: (MASK if isinstance(key, str) and is_secret_key(key) and val not in (None, "") else redact(val))
+            key: (
+                MASK
+                if isinstance(key, str) and is_secret_key(key) and val not in (None, "")
+                else redact(val, _depth + 1)
+            )
             for key, val in value.items()
         }
     if isinstance(value, (list, tuple)):
-        return [redact(item) for item in value]
+        return [redact(item, _depth + 1) for item in value]
     if isinstance(value, str):
         return redact_text(value)
     return value
+
+
+def well_formed(text: str) -> str:
+    """`text` with lone surrogates replaced, so it can be encoded and validated as a str field.
+
+    JSON escapes such as "\\ud800" decode to lone surrogates, which pydantic refuses in `str` fields
+    and UTF-8 cannot encode; echoing such input back in an error must not fail.
+    """
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
 def excerpt(raw: Any, limit: int = 300) -> str:
@@ -70,12 +92,13 @@ def excerpt(raw: Any, limit: int = 300) -> str:
     if isinstance(raw, str):
         try:
             parsed = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             text = redact_text(raw)
         else:
             text = json.dumps(redact(parsed), ensure_ascii=False) if isinstance(parsed, (dict, list)) else redact_text(raw)
     else:
         text = json.dumps(redact(raw), ensure_ascii=False, default=str)
+    text = well_formed(text)
     if len(text) > limit:
         return f"{text[:limit]}… ({len(text)} chars)"
     return text

@@ -2,7 +2,7 @@
 
 Pydantic emits `$defs`/`$ref` for nested models and `title` everywhere; providers differ on what
 they accept, so declarations carry a self-contained schema: references inlined, titles dropped,
-`additionalProperties: false` on every object (the args models forbid extra fields anyway).
+`additionalProperties: false` on every model object (the args models forbid extra fields anyway).
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ def _inline(node: Any, defs: dict[str, Any], seen: tuple[str, ...]) -> Any:
                 out[key] = {prop: _inline(sub, defs, seen) for prop, sub in value.items()}
             else:
                 out[key] = _inline(value, defs, seen)
-        if out.get("type") == "object":
+        # Close model objects; a mapping field (dict[str, X]) declares its value schema in
+        # additionalProperties and must stay open, or only {} would be a valid value.
+        if out.get("type") == "object" and "additionalProperties" not in out:
             out.setdefault("properties", {})
             out["additionalProperties"] = False
         return out

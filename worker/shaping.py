@@ -20,17 +20,19 @@ def cap_content(text: str, max_chars: int, spill: SpillStore | None) -> tuple[st
     if len(text) <= max_chars:
         return text, None
     ref = spill.put(text) if spill is not None else None
-    how = (
-        f'read the rest with read_output(ref="{ref}", offset=N)'
-        if ref
-        else "ask for a narrower result (filter, page, or limit)"
-    )
-    # The notice's own length depends on the cut size; reserve enough for the longest one.
-    reserve = 160 + len(how)
+
+    def how(offset: int) -> str:
+        if ref is None:
+            return "ask for a narrower result (filter, page, or limit)"
+        return f'read the rest with read_output(ref="{ref}", offset={offset})'
+
+    # The notice's own length depends on the cut size and offset; reserve enough for the longest.
+    reserve = 160 + len(how(len(text)))
     budget = max(max_chars - reserve, 0)
     head = int(budget * _HEAD_SHARE)
     tail = budget - head
     cut = len(text) - head - tail
-    notice = f"\n[… {cut} of {len(text)} characters cut from the middle; {how} …]\n"
+    # The offset is where the cut starts, so reading on from it continues the head seamlessly.
+    notice = f"\n[… {cut} of {len(text)} characters cut from the middle; {how(head)} …]\n"
     shaped = text[:head] + notice + (text[-tail:] if tail else "")
     return shaped, Truncation(original_chars=len(text), kept_chars=head + tail, spill_ref=ref)

@@ -14,7 +14,7 @@ from typing import Annotated, Protocol
 import redis
 from pydantic import Field
 
-from worker.tools import tool
+from worker.tools import ToolSpec, tool
 
 
 class SpillStore(Protocol):
@@ -88,17 +88,28 @@ def spill_store() -> SpillStore:
     return _store
 
 
-@tool(side_effect="read", timeout=10, sandbox={"isolate": False}, max_output_chars=50_000)
-def read_output(
-    ref: Annotated[str, Field(description="The reference given in a cut output's notice.")],
-    offset: Annotated[int, Field(ge=0, description="First character to return.")] = 0,
-    limit: Annotated[int, Field(ge=1, le=40_000, description="How many characters to return.")] = 20_000,
-) -> str:
-    """Read part of a tool output that was too long to show in full."""
-    found = spill_store().read(ref, offset, limit)
-    if found is None:
-        raise LookupError(f"no stored output {ref!r}: the reference is wrong or has expired")
-    text, total = found
-    end = offset + len(text)
-    more = f" Next: read_output(ref={ref!r}, offset={end})." if end < total else " This is the end."
-    return f"[characters {offset}-{end} of {total}.{more}]\n{text}"
+def read_output_tool(store: SpillStore | None = None) -> ToolSpec:
+    """The built-in `read_output` tool, reading `store` (default: this process's spill store).
+
+    A pipeline with a store of its own needs a `read_output` bound to that store, or the refs its
+    notices hand out would not resolve.
+    """
+
+    def read_output(
+        ref: Annotated[str, Field(description="The reference given in a cut output's notice.")],
+        offset: Annotated[int, Field(ge=0, description="First character to return.")] = 0,
+        limit: Annotated[int, Field(ge=1, le=40_000, description="How many characters to return.")] = 20_000,
+    ) -> str:
+        """Read part of a tool output that was too long to show in full."""
+        found = (store if store is not None else spill_store()).read(ref, offset, limit)
+        if found is None:
+            raise LookupError(f"no stored output {ref!r}: the reference is wrong or has expired")
+        text, total = found
+        end = offset + len(text)
+        more = f" Next: read_output(ref={ref!r}, offset={end})." if end < total else " This is the end."
+        return f"[characters {offset}-{end} of {total}.{more}]\n{text}"
+
+    return tool(read_output, side_effect="read", timeout=10, sandbox={"isolate": False}, max_output_chars=50_000)
+
+
+read_output = read_output_tool()

@@ -10,7 +10,7 @@ from typing import Any
 import redis
 from celery import Celery
 from celery.concurrency.thread import TaskPool as ThreadTaskPool
-from celery.signals import worker_process_init
+from celery.signals import worker_init, worker_process_init, worker_ready
 
 from worker.config import Settings
 from worker.idempotency import IdempotencyStore, MemoryIdempotencyStore, RedisIdempotencyStore
@@ -75,6 +75,9 @@ class WorkerRuntime:
                 queues=sorted(queues_of(self.registry, self.settings)),
                 hostname="embedded@toolchord",
             )
+            from worker.sandbox import log_layers
+
+            log_layers()
             thread = threading.Thread(target=worker.start, name="toolchord-embedded-worker", daemon=True)
             thread.start()
             self._embedded_worker = thread
@@ -102,6 +105,22 @@ def runtime_of(app: Celery) -> WorkerRuntime:
     if not isinstance(runtime, WorkerRuntime):
         raise TypeError("this Celery app was not made by worker.create_app()")
     return runtime
+
+
+@worker_init.connect
+def _probe_sandbox(**_: Any) -> None:
+    # In the main process, before the pool forks: children reuse the cached probe.
+    from worker.sandbox import probe
+
+    probe()
+
+
+@worker_ready.connect
+def _report_sandbox_layers(**_: Any) -> None:
+    # Once logging is set up, so the line reaches the worker's log.
+    from worker.sandbox import log_layers
+
+    log_layers()
 
 
 @worker_process_init.connect

@@ -1,0 +1,452 @@
+"""Load test: many concurrent sessions driven by ONE asyncio orchestrator against real workers.
+
+Run with `python -m bench.load` (or `toolchord bench load`); `--help` lists the knobs. Everything
+runs on loopback: a private redis-server and W `celery worker --pool prefork` processes.
+
+Each scenario runs in its own Python process (so RSS figures are not polluted by the previous
+one) and does:
+1. dispatch turn 1 of every session before any worker runs, and measure the orchestrator's RSS
+   with all N turns waiting against its RSS before (one warm-up turn in flight);
+2. start the workers; every session runs its T turns of K calls (a mix of read, idempotent and
+   unsafe tools) one after the other, all sessions at once;
+3. optionally SIGKILL a worker's whole process group half-way and start it again;
+4. balance the ledger: each tool counts its runs in Redis per call (see bench.load_ledger).
+Turn latencies are over turns 2..T (turn 1 waited for the workers to start on purpose).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+from pydantic import BaseModel
+
+from bench.load_cluster import TOOL_MODULE, RedisProcess, WorkerProcess, worker_env
+from bench.load_ledger import CallOutcome, LedgerReport, check_ledger
+from bench.load_tools import EFFECTS_PREFIX
+from orchestrator.runtime import Orchestrator
+from orchestrator.turn import TurnRecord, TurnResult
+from worker.celery_app import create_app
+from worker.config import Settings
+from worker.models import SideEffect, ToolCall
+from worker.registry import Provider, Registry
+
+_CLASSES: tuple[SideEffect, ...] = ("read", "idempotent", "unsafe")
+# How often the loop-lag probe wakes up: its overshoot is time the event loop was blocked.
+_LAG_PROBE = 0.01
+# What "waiting" looks like from Redis: the orchestrator's waiter subscribes to the chord body.
+_WAITING_PATTERN = "celery-task-meta-tc-collect-*"
+
+
+class LoadConfig(BaseModel):
+    """One scenario of the load test."""
+
+    name: str = "steady"
+    sessions: int = 1000
+    turns: int = 3
+    calls: int = 2
+    workers: int = 2
+    concurrency: int = 2
+    work_ms: float = 0.0
+    sandboxed: bool = False
+    kill: bool = False
+    visibility_timeout: int = 10
+    claim_lease: float = 2.0
+    max_seconds: float = 600.0
+
+
+class LoadReport(BaseModel):
+    """The figures of one scenario."""
+
+    config: LoadConfig
+    calls: int
+    seconds: float
+    calls_per_s: float
+    latency_ms: dict[str, float]
+    rss_before_mb: float
+    rss_inflight_mb: float
+    inflight_turns: int
+    rss_per_waiting_turn_kb: float
+    dispatch_turns_per_s: float
+    loop_lag_ms: dict[str, float]
+    sync_ms_per_turn: dict[str, float]
+    redis_clients_orchestrator: int
+    ledger: LedgerReport
+    completed: bool
+
+    @property
+    def balanced(self) -> bool:
+        return self.completed and self.ledger.balanced
+
+
+class _TimedOrchestrator(Orchestrator):
+    """Times the orchestrator's synchronous steps, which run on the event loop in `arun_calls`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.start_seconds: list[float] = []
+        self.finish_seconds: list[float] = []
+
+    def _start(
+        self, session_id: str, calls: list[ToolCall], provider: Provider, turn_id: str | None
+    ) -> tuple[TurnRecord, str | None] | TurnResult:
+        began = time.perf_counter()
+        try:
+            return super()._start(session_id, calls, provider, turn_id)
+        finally:
+            self.start_seconds.append(time.perf_counter() - began)
+
+    def _finish(self, record: TurnRecord, collected: list[dict[str, Any]] | None, reason: str) -> TurnResult:
+        began = time.perf_counter()
+        try:
+            return super()._finish(record, collected, reason)
+        finally:
+            self.finish_seconds.append(time.perf_counter() - began)
+
+
+def rss_mb() -> float:
+    """This process's resident set size, in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("VmRSS not found in /proc/self/status")
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p95": 0.0, "p99": 0.0, "max": 0.0}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"p50": at(0.50), "p95": at(0.95), "p99": at(0.99), "max": ordered[-1]}
+
+
+class _LagProbe:
+    """Measures how late a short sleep wakes up: the event loop was blocked for that long."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            began = loop.time()
+            await asyncio.sleep(_LAG_PROBE)
+            self.samples.append(loop.time() - began - _LAG_PROBE)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="loop-lag-probe")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+class _Plan:
+    """The calls of the whole run: tags, tools and ids, decided up front."""
+
+    def __init__(self, config: LoadConfig, run_id: str) -> None:
+        self.config = config
+        self.run_id = run_id
+        self.suffix = "sandboxed" if config.sandboxed else "inproc"
+        self.outcomes: dict[str, CallOutcome] = {}
+
+    def calls(self, session: int, turn: int) -> list[ToolCall]:
+        calls = []
+        for k in range(self.config.calls):
+            side_effect = _CLASSES[(session + turn * self.config.calls + k) % len(_CLASSES)]
+            tag = f"{self.run_id}:{session}:{turn}:{k}"
+            self.outcomes[tag] = CallOutcome(tag=tag, side_effect=side_effect, results=0)
+            args = {"tag": tag, "work_ms": self.config.work_ms}
+            calls.append(ToolCall(id=f"call_{turn}_{k}", name=f"load_{side_effect}_{self.suffix}",
+                                  arguments_raw=json.dumps(args), arguments=args, index=k))
+        return calls
+
+    def record(self, session: int, turn: int, result: TurnResult) -> None:
+        for k in range(self.config.calls):
+            call_id = f"call_{turn}_{k}"
+            matching = [r for r in result.results if r.call_id == call_id]
+            outcome = self.outcomes[f"{self.run_id}:{session}:{turn}:{k}"]
+            outcome.results = len(matching)
+            if matching:
+                outcome.status = matching[0].status
+                outcome.code = matching[0].error.code.value if matching[0].error else None
+        # No result may be there that was not asked for.
+        asked = {f"call_{turn}_{k}" for k in range(self.config.calls)}
+        for extra in (r for r in result.results if r.call_id not in asked):
+            self.outcomes[f"{self.run_id}:{session}:{turn}:extra:{extra.call_id}"] = CallOutcome(
+                tag="(unrequested)", side_effect="read", results=2)
+
+
+async def _wait_for_waiting(admin: redis.Redis, expected: int, timeout: float) -> int:
+    """Until `expected` turns are subscribed to their chord's result (or the timeout passes)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    count = 0
+    while loop.time() < end:
+        count = len(admin.pubsub_channels(_WAITING_PATTERN))
+        if count >= expected:
+            return count
+        await asyncio.sleep(0.05)
+    return count
+
+
+async def _drive(config: LoadConfig, orch: _TimedOrchestrator, admin: redis.Redis,
+                 workers: list[WorkerProcess]) -> dict[str, Any]:
+    plan = _Plan(config, run_id=f"r{time.time_ns()}")
+    latencies: list[float] = []
+    done_turns = 0
+    total_turns = config.sessions * config.turns
+    probe = _LagProbe()
+    probe.start()
+
+    async def session(index: int) -> None:
+        nonlocal done_turns
+        for turn in range(config.turns):
+            calls = plan.calls(index, turn)
+            began = time.perf_counter()
+            result = await orch.arun_calls(f"{plan.run_id}-s{index}", calls, turn_id=f"t{turn}")
+            if turn > 0:
+                latencies.append(time.perf_counter() - began)
+            plan.record(index, turn, result)
+            done_turns += 1
+
+    # A warm-up session: connections, pools and the waiter exist before the "before" figure.
+    warm = asyncio.create_task(session(config.sessions))
+    await _wait_for_waiting(admin, 1, 30)
+    gc.collect()
+    rss_before = rss_mb()
+    dispatch_began = time.perf_counter()
+    tasks = [asyncio.create_task(session(i)) for i in range(config.sessions)]
+    waiting = await _wait_for_waiting(admin, config.sessions + 1, 120)
+    dispatch_seconds = time.perf_counter() - dispatch_began
+    gc.collect()
+    rss_inflight = rss_mb()
+    clients = int(admin.info("clients")["connected_clients"]) - 1  # minus this admin connection
+
+    await asyncio.gather(*(asyncio.to_thread(w.start) for w in workers))
+    # Throughput counts from the moment the workers consume (turn 1 of every session is queued).
+    began = time.perf_counter()
+
+    async def chaos() -> None:
+        # Kill in the middle of the run: half of the turns are done.
+        while done_turns < total_turns // 2:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(workers[0].kill)
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(workers[0].start)
+
+    chaos_task = asyncio.create_task(chaos()) if config.kill else None
+    completed = True
+    try:
+        await asyncio.wait_for(asyncio.gather(warm, *tasks), config.max_seconds)
+    except asyncio.TimeoutError:
+        completed = False
+    seconds = time.perf_counter() - began
+    if chaos_task is not None:
+        chaos_task.cancel()
+        await asyncio.gather(chaos_task, return_exceptions=True)
+    await probe.stop()
+    return {
+        "plan": plan,
+        "latencies": latencies,
+        "seconds": seconds,
+        "rss_before": rss_before,
+        "rss_inflight": rss_inflight,
+        "waiting": waiting,
+        "dispatch_seconds": dispatch_seconds,
+        "lag": probe.samples,
+        "clients": clients,
+        "completed": completed,
+    }
+
+
+def _effects(admin: redis.Redis, tags: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for start in range(0, len(tags), 1000):
+        chunk = tags[start:start + 1000]
+        for tag, value in zip(chunk, admin.mget([EFFECTS_PREFIX + t for t in chunk]), strict=True):
+            counts[tag] = int(value) if value is not None else 0
+    return counts
+
+
+def run_scenario(config: LoadConfig, workdir: Path | None = None) -> LoadReport:
+    """Run one scenario on a fresh private cluster and return its figures (in this process)."""
+    with tempfile.TemporaryDirectory(prefix="toolchord-load-") as tmp:
+        base = workdir or Path(tmp)
+        server = RedisProcess(base)
+        admin = redis.Redis.from_url(server.url)
+        env = worker_env(server.url, config.visibility_timeout, config.claim_lease)
+        workers = [WorkerProcess(env, config.concurrency, f"load{i + 1}", base / f"worker{i + 1}.log")
+                   for i in range(config.workers)]
+        settings = Settings(broker_url=server.url, result_backend=server.url, redis_url=server.url,
+                            visibility_timeout=config.visibility_timeout, claim_lease=config.claim_lease)
+        registry = Registry.from_modules([TOOL_MODULE])
+        orch = _TimedOrchestrator(registry, create_app(settings, registry))
+        loop = asyncio.new_event_loop()
+        try:
+            figures = loop.run_until_complete(_drive(config, orch, admin, workers))
+            # Orchestrator.close() closes the waiter on its loop, which must be idle and still open.
+            orch.close()
+            plan: _Plan = figures["plan"]
+            effects = _effects(admin, [o.tag for o in plan.outcomes.values()])
+        finally:
+            loop.close()
+            for worker in workers:
+                worker.close()
+            orch.app.close()
+            admin.close()
+            server.stop()
+    outcomes = list(plan.outcomes.values())
+    calls = len(outcomes)
+    waiting = max(figures["waiting"] - 1, 1)
+    sync = [s * 1000 for s in orch.start_seconds], [s * 1000 for s in orch.finish_seconds]
+    return LoadReport(
+        config=config,
+        calls=calls,
+        seconds=round(figures["seconds"], 3),
+        calls_per_s=round(calls / figures["seconds"], 1),
+        latency_ms={k: round(v * 1000, 1) for k, v in _percentiles(figures["latencies"]).items()},
+        rss_before_mb=round(figures["rss_before"], 1),
+        rss_inflight_mb=round(figures["rss_inflight"], 1),
+        inflight_turns=figures["waiting"],
+        rss_per_waiting_turn_kb=round((figures["rss_inflight"] - figures["rss_before"]) * 1024 / waiting, 1),
+        dispatch_turns_per_s=round(config.sessions / max(figures["dispatch_seconds"], 1e-9), 1),
+        loop_lag_ms={k: round(v * 1000, 1) for k, v in _percentiles(figures["lag"]).items()},
+        sync_ms_per_turn={
+            "start_mean": round(statistics.fmean(sync[0]), 2) if sync[0] else 0.0,
+            "finish_mean": round(statistics.fmean(sync[1]), 2) if sync[1] else 0.0,
+            "total_s": round((sum(sync[0]) + sum(sync[1])) / 1000, 2),
+        },
+        redis_clients_orchestrator=figures["clients"],
+        ledger=check_ledger(outcomes, effects),
+        completed=figures["completed"],
+    )
+
+
+def _run_isolated(config: LoadConfig) -> LoadReport:
+    """Run one scenario in a fresh Python process, so its RSS is its own."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.load", "--scenario-json", config.model_dump_json()],
+        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, check=False,
+        timeout=config.max_seconds + 180,
+    )
+    if proc.returncode != 0 or not proc.stdout.strip():
+        raise RuntimeError(f"scenario {config.name} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return LoadReport.model_validate_json(proc.stdout.strip().splitlines()[-1])
+
+
+def _row(report: LoadReport) -> list[str]:
+    c, lat, led = report.config, report.latency_ms, report.ledger
+    return [
+        c.name, f"{c.sessions}x{c.turns}x{c.calls}", f"{c.workers}x{c.concurrency}",
+        "default" if c.sandboxed else "isolate=False", f"{report.calls_per_s:.0f}",
+        f"{lat['p50']:.0f}/{lat['p95']:.0f}/{lat['p99']:.0f}", f"{lat['p99'] / max(lat['p50'], 1e-9):.1f}",
+        f"{report.rss_before_mb:.0f}->{report.rss_inflight_mb:.0f}", f"{report.rss_per_waiting_turn_kb:.1f}",
+        f"{report.loop_lag_ms['p99']:.0f}/{report.loop_lag_ms['max']:.0f}",
+        f"{led.ok}/{led.calls}", str(led.reran), str(led.unsafe_twice), str(led.outcome_unknown), str(led.lost),
+        "yes" if report.balanced else "NO",
+    ]
+
+
+_HEADER = ["scenario", "N x T x K", "W x c", "sandbox", "calls/s", "turn p50/p95/p99 ms", "p99/p50",
+           "RSS MB before->N waiting", "KB/waiting turn", "loop lag p99/max ms", "ok/calls", "re-ran",
+           "unsafe 2x", "OUTCOME_UNKNOWN", "lost", "balanced"]
+
+
+def format_table(reports: Sequence[LoadReport]) -> str:
+    """The summary table (markdown)."""
+    rows = [_HEADER, ["---"] * len(_HEADER), *(_row(r) for r in reports)]
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
+def _targets(reports: Sequence[LoadReport]) -> list[str]:
+    lines: list[str] = []
+    steady = next((r for r in reports if r.config.name == "steady"), None)
+    if steady is not None:
+        lat = steady.latency_ms
+        lines.append(f"orchestrator RSS with {steady.inflight_turns} turns waiting: {steady.rss_inflight_mb:.0f} MB "
+                     f"(target < 300 MB): {'met' if steady.rss_inflight_mb < 300 else 'MISSED'}")
+        ratio = lat["p99"] / max(lat["p50"], 1e-9)
+        lines.append(f"p99/p50 turn latency: {ratio:.1f} (target < 10): {'met' if ratio < 10 else 'MISSED'}")
+    one = next((r for r in reports if r.config.name == "scale-1w"), None)
+    two = next((r for r in reports if r.config.name == "steady" and r.config.workers == 2), None)
+    if one is not None and two is not None:
+        lines.append(f"scaling 1 -> 2 worker processes: {one.calls_per_s:.0f} -> {two.calls_per_s:.0f} calls/s "
+                     f"(x{two.calls_per_s / max(one.calls_per_s, 1e-9):.2f})")
+    balanced = all(r.balanced for r in reports)
+    lines.append(f"ledger balanced in every run: {'yes' if balanced else 'NO'}")
+    for report in reports:
+        if not report.balanced:
+            lines.append(f"  {report.config.name}: completed={report.completed} {report.ledger.model_dump_json()}")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`toolchord bench load`: run the scenarios and print the summary; exit 1 if a ledger is off."""
+    parser = argparse.ArgumentParser(prog="toolchord bench load", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", type=int, default=1000, help="concurrent sessions (N)")
+    parser.add_argument("--turns", type=int, default=3, help="turns per session (T)")
+    parser.add_argument("--calls", type=int, default=2, help="tool calls per turn (K)")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (W) of the main run")
+    parser.add_argument("--concurrency", type=int, default=2, help="prefork pool processes per worker")
+    parser.add_argument("--work-ms", type=float, default=0.0, help="time each tool call works")
+    parser.add_argument("--scenarios", default="steady,kill,scale",
+                        help="comma-separated: steady, kill (SIGKILL + restart a worker mid-run), scale (1 worker), "
+                             "sandbox (default sandbox profile)")
+    parser.add_argument("--visibility-timeout", type=int, default=10, help="TOOLCHORD_VISIBILITY_TIMEOUT")
+    parser.add_argument("--claim-lease", type=float, default=2.0, help="TOOLCHORD_CLAIM_LEASE")
+    parser.add_argument("--max-seconds", type=float, default=600.0, help="give up on a scenario after this")
+    parser.add_argument("--json", type=Path, help="also write the reports to this file")
+    parser.add_argument("--scenario-json", help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
+    if options.scenario_json:
+        print(run_scenario(LoadConfig.model_validate_json(options.scenario_json)).model_dump_json())
+        return 0
+    base = LoadConfig(sessions=options.sessions, turns=options.turns, calls=options.calls, workers=options.workers,
+                      concurrency=options.concurrency, work_ms=options.work_ms,
+                      visibility_timeout=options.visibility_timeout, claim_lease=options.claim_lease,
+                      max_seconds=options.max_seconds)
+    variants = {
+        "steady": {},
+        "kill": {"name": "kill", "workers": max(options.workers, 2)},
+        "scale": {"name": "scale-1w", "workers": 1},
+        "sandbox": {"name": "sandbox", "sandboxed": True},
+    }
+    wanted = [s.strip() for s in options.scenarios.split(",") if s.strip()]
+    unknown = set(wanted) - set(variants)
+    if unknown:
+        parser.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
+    reports = []
+    for name in wanted:
+        config = base.model_copy(update=variants[name])
+        print(f"running {config.name}: {config.sessions} sessions x {config.turns} turns x {config.calls} calls, "
+              f"{config.workers} worker(s) x {config.concurrency}", file=sys.stderr, flush=True)
+        reports.append(_run_isolated(config))
+    print(format_table(reports))
+    print()
+    for line in _targets(reports):
+        print(line)
+    if options.json:
+        options.json.write_text(json.dumps([r.model_dump() for r in reports], indent=2))
+    return 0 if all(r.balanced for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""A result that arrives after its turn ended reaches the model in the next request (issue 4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.eventlog import JsonlEventLog, SessionRecorder
+from orchestrator.request_builder import RequestBuilder
+from tests.test_request_builder_rebuild import PROVIDERS, REGISTRY, assert_provider_accepts, write_conversation
+from worker.models import ToolResult
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_late_result_is_a_note_after_the_turns_results(tmp_path: Path, provider: str) -> None:
+    log = JsonlEventLog(tmp_path)
+    write_conversation(log, "s", provider, turns=1)
+    before = RequestBuilder(log).build("s")
+    late = ToolResult(call_id="call-early", name="lookup", status="ok", content="found 3 invoices")
+    SessionRecorder(log, "s", REGISTRY).result("turn-1", late, late=True)
+    request = RequestBuilder(log).build("s")
+    assert_provider_accepts(provider, request)
+    body = RequestBuilder(log).build_bytes("s")
+    assert b"found 3 invoices" in body and b"call-early" in body
+    # Only appended: everything before the note is unchanged (prompt caches keep their prefix).
+    key = "input" if provider == "responses" else "messages"
+    if provider == "anthropic":
+        # Anthropic turns alternate, so the note joins the tool_result message as a trailing block.
+        assert request[key][:-1] == before[key][:-1]
+        assert request[key][-1]["content"][:-1] == before[key][-1]["content"]
+    else:
+        assert request[key][:-1] == before[key]
+    last = request[key][-1]
+    text = last["content"] if isinstance(last["content"], str) else last["content"][-1]["text"]
+    assert "finished after its turn had ended" in text
