@@ -126,7 +126,12 @@ def prepare_call(
     denied = check_permission(call, spec, permission_hook)
     if denied is not None:
         return denied
-    arguments = _with_secrets(validated, validated.model_dump(mode="json"))
+    try:
+        arguments = _with_secrets(validated, validated.model_dump(mode="json"))
+    except (ValueError, RecursionError) as exc:
+        # pydantic's serializer has a depth limit that json.loads and validation do not share.
+        reason = f"they are nested too deeply to pass on ({type(exc).__name__})"
+        return errors.error_result(call, errors.unusable_arguments(call, reason))
     return PreparedCall(
         call=call, arguments=arguments, idempotency_key=idempotency_key(spec, session_id, call.id, arguments)
     )

@@ -94,3 +94,12 @@ def charge(order_id: str, cents: int) -> str:
     """Charge an order once per order id."""
     count = ledger().incr(f"tc-test:charges:{order_id}")
     return f"charged {cents} for {order_id} (charge #{count})"
+
+
+_RECONCILE = {"yes": True, "no": False, "unknown": None}
+
+
+@tool(side_effect="unsafe", timeout=30, reconcile=lambda args, ctx: _RECONCILE[args["answer"]])
+def effect_reconciled(key: str, answer: str) -> int:
+    """Count a side effect; `answer` scripts what the reconcile check says about a lost attempt."""
+    return _effect(key, 0.0)

@@ -109,7 +109,7 @@ def worker_env(redis_url: str, tool_modules: str, **extra: str) -> dict[str, str
 
 
 class WorkerProcess:
-    """A real `celery worker` (prefork) in its own process group."""
+    """A real worker (`toolchord worker`, prefork pool) in its own process group."""
 
     def __init__(self, env: dict[str, str], queues: str, concurrency: int, name: str, log: Path) -> None:
         self.env, self.queues, self.concurrency, self.name, self.log = env, queues, concurrency, name, log
@@ -118,9 +118,10 @@ class WorkerProcess:
     def start(self, timeout: float = 30.0) -> None:
         handle = self.log.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "worker.celery_app:app", "worker", "--pool", "prefork",
-             "--concurrency", str(self.concurrency), "--queues", self.queues, "--hostname", f"{self.name}@%h",
-             "--loglevel", "INFO", "--without-mingle", "--without-gossip", "--task-events"],
+            # `toolchord worker` as users run it (it execs `celery worker` on toolchord's app).
+            [sys.executable, "-m", "orchestrator.cli", "worker", "--concurrency", str(self.concurrency),
+             "--queues", self.queues, "--hostname", f"{self.name}@%h", "--loglevel", "INFO",
+             "--without-mingle", "--without-gossip"],
             env=self.env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
         )
         deadline = time.time() + timeout

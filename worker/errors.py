@@ -129,6 +129,16 @@ def invalid_arguments(call: ToolCall, exc: ValidationError) -> ToolError:
     )
 
 
+def unusable_arguments(call: ToolCall, reason: str) -> ToolError:
+    """Arguments that validated but cannot be carried to the handler (e.g. nested too deeply)."""
+    return ToolError(
+        code=ErrorCode.INVALID_ARGUMENTS,
+        message=f"the arguments for {call.name!r} cannot be used: {reason}.",
+        hint="Send flatter, smaller arguments that match the tool's parameters.",
+        input_excerpt=excerpt(call.arguments_raw),
+    )
+
+
 def permission_denied(call: ToolCall, reason: str) -> ToolError:
     return ToolError(
         code=ErrorCode.PERMISSION_DENIED,

@@ -18,6 +18,7 @@ TOO_DEEP = "[NESTED TOO DEEP]"
 # Tool arguments come from a model: nesting beyond this is never meaningful, and walking it
 # recursively would overflow the stack (json.loads accepts far deeper input than Python recursion).
 _MAX_DEPTH = 64
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 _SECRET_KEY = re.compile(
     r"(pass(word|wd|phrase)?|secret|token|api[-_]?key|apikey|auth(orization)?|credential|"
@@ -79,12 +80,12 @@ def redact(value: Any, _depth: int = 0) -> Any:
 
 
 def well_formed(text: str) -> str:
-    """`text` with lone surrogates replaced, so it can be encoded and validated as a str field.
+    """`text` with each lone surrogate replaced by U+FFFD, so it encodes as UTF-8 and fits a str field.
 
     JSON escapes such as "\\ud800" decode to lone surrogates, which pydantic refuses in `str` fields
     and UTF-8 cannot encode; echoing such input back in an error must not fail.
     """
-    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return _LONE_SURROGATE.sub("\ufffd", text)
 
 
 def excerpt(raw: Any, limit: int = 300) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from worker.models import Truncation
+from worker.redaction import well_formed
 from worker.spill import SpillStore
 
 EMPTY_PLACEHOLDER = "(no output)"
@@ -13,8 +14,10 @@ _HEAD_SHARE = 0.6
 def cap_content(text: str, max_chars: int, spill: SpillStore | None) -> tuple[str, Truncation | None]:
     """Return text within `max_chars`: head and tail kept, a notice of what was cut and how to read it.
 
-    Empty text becomes a placeholder so the model never gets an empty result.
+    Empty text becomes a placeholder so the model never gets an empty result. Lone surrogates
+    (a handler echoing a JSON "\\udc00" escape) are replaced: the content must encode as UTF-8.
     """
+    text = well_formed(text)
     if not text.strip():
         return EMPTY_PLACEHOLDER, None
     if len(text) <= max_chars:

@@ -225,6 +225,8 @@ def _make_call_task(app: Celery, side_effect: SideEffect) -> Task:
         reject_on_worker_lost=True,
         max_retries=None,
         typing=False,
+        # Tool output stays out of worker logs and events (Flower): it may hold secrets or PII.
+        resultrepr_maxsize=0,
     )
     def run_call(self: Task, prior: list[dict[str, Any]] | None = None, *, payload: dict[str, Any]) -> list[dict[str, Any]]:
         previous = list(prior or [])
@@ -276,7 +278,7 @@ def register_tasks(app: Celery) -> None:
     """Register toolchord's tasks on an app made by `create_app`."""
     for side_effect in TASK_NAMES:
         _make_call_task(app, side_effect)
-    app.task(name=COLLECT_TASK, typing=False, shared=False)(collect)
+    app.task(name=COLLECT_TASK, typing=False, shared=False, resultrepr_maxsize=0)(collect)
 
 
 __all__ = ["COLLECT_TASK", "TASK_NAMES", "CallExecution", "backoff_seconds", "collect", "register_tasks"]

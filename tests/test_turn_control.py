@@ -1,0 +1,121 @@
+"""Cancelling turns, reconciling lost unsafe calls, and Flower showing calls (real Redis and workers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from base64 import b64encode
+
+import pytest
+
+from orchestrator import Orchestrator
+from tests.conftest import ROOT, free_port, worker_env
+from worker import ErrorCode, Registry, ToolCall
+from worker.celery_app import create_app
+from worker.config import Settings
+from worker.idempotency import PREFIX, idempotency_key
+
+pytestmark = pytest.mark.slow
+
+TOOLS = "tests.celery_tools"
+
+
+def orchestrator(url: str, **kwargs: object) -> Orchestrator:
+    settings = Settings(broker_url=url, result_backend=url, redis_url=url, visibility_timeout=8, claim_lease=2)
+    registry = Registry.from_modules([TOOLS])
+    return Orchestrator(registry, create_app(settings, registry), **kwargs)  # type: ignore[arg-type]
+
+
+def call(i: int, name: str, **args: object) -> ToolCall:
+    return ToolCall(id=f"call_{i}", name=name, arguments_raw=json.dumps(args), index=i)
+
+
+def effects(client, key: str) -> int:
+    return int(client.get(f"tc-test:effects:{key}") or 0)
+
+
+def test_cancel_stops_the_turn_and_unstarted_calls_never_start(start_worker, redis_url, clean_redis):
+    start_worker(TOOLS, concurrency=1)
+    orch = orchestrator(redis_url)
+    calls = [call(0, "effect_read", key="c-running", seconds=3), call(1, "effect_unsafe", key="c-queued")]
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("turn", orch.run_calls("s-cancel", calls, turn_id="t1")))
+    thread.start()
+    deadline = time.time() + 20
+    while effects(clean_redis, "c-running") == 0 and time.time() < deadline:
+        time.sleep(0.05)
+    cancelled_at = time.monotonic()
+    orch.cancel("s-cancel", "t1")
+    thread.join(10)
+    assert time.monotonic() - cancelled_at < 2, "run_calls did not return promptly after cancel"
+    running, queued = box["turn"].results
+    assert running.error.code == ErrorCode.CANCELLED
+    assert queued.error.code == ErrorCode.NOT_EXECUTED
+    time.sleep(3.5)  # the worker is free again: the queued call must still not run
+    assert effects(clean_redis, "c-queued") == 0
+
+
+@pytest.mark.parametrize(
+    ("answer", "status", "code", "runs"),
+    [("yes", "ok", None, 0), ("no", "ok", None, 1), ("unknown", "error", ErrorCode.OUTCOME_UNKNOWN, 0)],
+)
+def test_reconcile_decides_a_lost_unsafe_call(start_worker, redis_url, clean_redis, answer, status, code, runs):
+    start_worker(TOOLS, concurrency=1)
+    orch = orchestrator(redis_url)
+    spec = orch.registry["effect_reconciled"]
+    args = {"key": f"rec-{answer}", "answer": answer}
+    # An earlier attempt started and lost its worker: its `started` record outlived its claim.
+    key = idempotency_key(spec, "s-rec", "call_0", args)
+    clean_redis.set(f"{PREFIX}{key}:started", "lost-token", ex=60)
+    turn = orch.run_calls("s-rec", [call(0, "effect_reconciled", **args)])
+    result = turn.results[0]
+    assert result.status == status
+    assert (result.error.code if result.error else None) == code
+    assert effects(clean_redis, f"rec-{answer}") == runs
+
+
+def _get(url: str, auth: str | None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url)
+    if auth:
+        request.add_header("Authorization", "Basic " + b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, b""
+    except urllib.error.URLError:
+        return 0, b""  # not listening yet
+
+
+def test_flower_shows_each_call_by_tool_and_call_id_behind_auth(start_worker, redis_url, tmp_path):
+    start_worker(TOOLS, concurrency=1)
+    port = free_port()
+    env = worker_env(redis_url, TOOLS, FLOWER_BASIC_AUTH="ops:s3cret")
+    log = (tmp_path / "flower.log").open("wb")
+    flower = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "flower", "--port", str(port)],
+                              cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline and _get(f"{base}/healthcheck", None)[0] != 200:
+            time.sleep(0.2)
+        time.sleep(1.0)  # let Flower's event consumer attach before the turn runs
+        assert _get(f"{base}/api/tasks", None)[0] == 401
+        orchestrator(redis_url).run_calls("s-flower", [call(7, "echo", text="hello")])
+        seen: dict = {}
+        while time.time() < deadline and not seen:
+            status, body = _get(f"{base}/api/tasks", "ops:s3cret")
+            assert status == 200
+            seen = {k: v for k, v in json.loads(body).items() if v.get("name") == "toolchord.call.read"}
+            time.sleep(0.2)
+        task = next(iter(seen.values()))
+        assert "echo call=call_7" in task["args"]
+        assert "hello" not in json.dumps(task)  # neither arguments nor output are in events
+    finally:
+        flower.terminate()
+        flower.wait(10)
