@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from typing import Any
 
+import redis
 from celery import Celery, chain, chord, states
 from celery.canvas import Signature
 from celery.exceptions import TimeoutError as CeleryTimeoutError
@@ -28,6 +30,8 @@ from worker.models import ToolCall, ToolResult
 from worker.payloads import CallPayload, CallRef, cancel_scope
 from worker.registry import Provider, Registry
 from worker.tasks import COLLECT_TASK, TASK_NAMES
+
+log = logging.getLogger("toolchord.orchestrator")
 
 # Slack over the handler timeout for Celery's own limits: the sandbox kills the handler first.
 _SOFT_LIMIT_SLACK = 5.0
@@ -248,7 +252,8 @@ class Orchestrator:
 
     def _start(
         self, session_id: str, calls: list[ToolCall], provider: Provider, turn_id: str | None
-    ) -> tuple[TurnRecord, str | None] | TurnResult:
+    ) -> TurnResult | tuple[TurnRecord, str]:
+        """Plan and dispatch the turn (or find it): a finished TurnResult, or the record and callback id."""
         turn_id = turn_id or _digest(session_id, *(c.id for c in calls))
         done = self.turns.result(session_id, turn_id)
         if done is not None:
@@ -258,7 +263,22 @@ class Orchestrator:
             record = self.plan(session_id, turn_id, calls, provider)
             self.turns.save(record)
         # A resubmitted chord keeps task ids and keys: stored results return without running again.
-        return record, self._dispatch(record)
+        body_id = self._dispatch(record)
+        if body_id is None:
+            return self._finish(record, [], "")
+        return record, body_id
+
+    def _stop_reason(self, record: TurnRecord) -> str | None:
+        """Why waiting for this turn must end now, or None to keep waiting."""
+        if self.turns.cancelled(record.session_id, record.turn_id):
+            return "the turn was cancelled"
+        if record.deadline <= time.time():
+            return "the turn's deadline passed"
+        return None
+
+    def _collected(self, record: TurnRecord, status: str | None, value: Any) -> TurnResult:
+        """Finish with the chord callback's value (a failed callback leaves the store to fill in)."""
+        return self._finish(record, value if status == states.SUCCESS else None, "the turn's results could not be collected")
 
     def run_calls(
         self, session_id: str, calls: list[ToolCall], *, turn_id: str | None = None, provider: Provider = "chat"
@@ -268,23 +288,25 @@ class Orchestrator:
         if isinstance(started, TurnResult):
             return started
         record, body_id = started
-        if body_id is None:
-            return self._finish(record, [], "")
         async_result = self.app.AsyncResult(body_id)
-        while True:
-            remaining = record.deadline - time.time()
-            if self.turns.cancelled(session_id, record.turn_id):
-                return self._finish(record, None, "the turn was cancelled")
-            if remaining <= 0:
-                return self._finish(record, None, "the turn's deadline passed")
+        while (reason := self._stop_reason(record)) is None:
             try:
                 value = async_result.get(
-                    timeout=min(remaining, _CANCEL_POLL), interval=0.002, propagate=False, disable_sync_subtasks=False
+                    timeout=min(record.deadline - time.time(), _CANCEL_POLL),
+                    interval=0.002,
+                    propagate=False,
+                    disable_sync_subtasks=False,
                 )
             except CeleryTimeoutError:
                 continue
-            return self._finish(record, value if async_result.status == states.SUCCESS else None,
-                                "the turn's results could not be collected")
+            except (redis.RedisError, OSError, RuntimeError) as exc:
+                # The result backend is unreachable (or Celery's consumer gave up): keep to the
+                # deadline, then the idempotency store supplies what finished.
+                log.warning("waiting for turn %s: %s", record.turn_id, exc)
+                time.sleep(_CANCEL_POLL)
+                continue
+            return self._collected(record, async_result.status, value)
+        return self._finish(record, None, reason)
 
     def run_turn(
         self, session_id: str, assistant_output: Any, provider: Provider = "chat", *, turn_id: str | None = None
@@ -314,19 +336,12 @@ class Orchestrator:
         if isinstance(started, TurnResult):
             return started
         record, body_id = started
-        if body_id is None:
-            return self._finish(record, [], "")
         waiter = self._waiter()
-        while True:
-            remaining = record.deadline - time.time()
-            if self.turns.cancelled(session_id, record.turn_id):
-                return self._finish(record, None, "the turn was cancelled")
-            if remaining <= 0:
-                return self._finish(record, None, "the turn's deadline passed")
-            meta = await waiter.wait(body_id, min(remaining, _CANCEL_POLL * 4))
+        while (reason := self._stop_reason(record)) is None:
+            meta = await waiter.wait(body_id, min(record.deadline - time.time(), _CANCEL_POLL * 4))
             if meta is not None:
-                value = meta.get("result") if meta.get("status") == states.SUCCESS else None
-                return self._finish(record, value, "the turn's results could not be collected")
+                return self._collected(record, meta.get("status"), meta.get("result"))
+        return self._finish(record, None, reason)
 
     async def arun_turn(
         self, session_id: str, assistant_output: Any, provider: Provider = "chat", *, turn_id: str | None = None

@@ -65,10 +65,8 @@ def _one_result(raw: str, name: str = "lookup") -> ToolResult:
 _json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
-    max_leaves=20,
+    max_leaves=10,
 )
-
-
 
 
 def _splice(data: bytes, at: int, insert: bytes, drop: int) -> bytes:
