@@ -58,10 +58,9 @@ class Orchestrator:
     ) -> None:
         self.app = app if app is not None else create_app(settings, registry)
         self.runtime: WorkerRuntime = runtime_of(self.app)
-        self.registry = registry
-        for spec in self.runtime.registry:
-            if spec.name not in self.registry:
-                self.registry.add(spec)
+        # A copy, so the caller's registry is left as it was; it also knows the runtime's built-ins.
+        self.registry = Registry(registry)
+        self.registry.add_missing(self.runtime.registry)
         self.turn_timeout = turn_timeout
         self.permission_hook = permission_hook
         settings = self.runtime.settings
@@ -70,9 +69,7 @@ class Orchestrator:
         )
         self._waiters: dict[asyncio.AbstractEventLoop, ResultWaiter] = {}
         if settings.embedded:
-            for spec in registry:
-                if spec.name not in self.runtime.registry:
-                    self.runtime.registry.add(spec)
+            self.runtime.registry.add_missing(registry)
             self.runtime.start_embedded_worker(self.app)
 
     # -- planning -----------------------------------------------------------------------------

@@ -71,9 +71,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     settings = settings if settings is not None else Settings.from_env()
     tools = Registry.from_modules(settings.tool_modules)
     if registry is not None:
-        for spec in registry:
-            if spec.name not in tools:
-                tools.add(spec)
+        tools.add_missing(registry)
     app = Celery("toolchord", set_as_current=False)
     app.conf.update(_celery_config(settings))
     app.toolchord = WorkerRuntime(settings, tools)  # type: ignore[attr-defined]

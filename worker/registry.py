@@ -45,6 +45,12 @@ class Registry:
         for spec in other:
             self.add(spec)
 
+    def add_missing(self, tools: Iterable[ToolSpec]) -> None:
+        """Add the tools whose names are not registered yet; the ones already here win."""
+        for spec in tools:
+            if spec.name not in self._tools:
+                self.add(spec)
+
     @classmethod
     def from_modules(cls, modules: Iterable[str]) -> Registry:
         """Import modules and collect their tools: module-level ToolSpecs and Registry instances."""
@@ -53,11 +59,9 @@ class Registry:
             module = importlib.import_module(module_name)
             for value in vars(module).values():
                 if isinstance(value, Registry):
-                    for spec in value:
-                        if spec.name not in registry:
-                            registry.add(spec)
-                elif isinstance(value, ToolSpec) and value.name not in registry:
-                    registry.add(value)
+                    registry.add_missing(value)
+                elif isinstance(value, ToolSpec):
+                    registry.add_missing([value])
         return registry
 
     def get(self, name: str) -> ToolSpec | None:

@@ -27,8 +27,7 @@ class WorkerRuntime:
         _RUNTIMES.add(self)
         self.settings = settings
         self.registry = registry
-        if read_output.name not in registry:
-            registry.add(read_output)
+        registry.add_missing([read_output])
         self._memory_store = MemoryIdempotencyStore() if settings.redis_url is None else None
         self._embedded_worker: threading.Thread | None = None
         self._lock = threading.Lock()
