@@ -38,6 +38,7 @@ class PreparedCall(BaseModel):
     call: ToolCall
     arguments: dict[str, Any]
     idempotency_key: str
+    resource: str | None = None
 
 
 class _NotJsonConstant(ValueError):
@@ -132,9 +133,14 @@ def prepare_call(
         # pydantic's serializer has a depth limit that json.loads and validation do not share.
         reason = f"they are nested too deeply to pass on ({type(exc).__name__})"
         return errors.error_result(call, errors.unusable_arguments(call, reason))
-    return PreparedCall(
-        call=call, arguments=arguments, idempotency_key=idempotency_key(spec, session_id, call.id, arguments)
-    )
+    try:
+        key = idempotency_key(spec, session_id, call.id, arguments)
+        resource = spec.resource(arguments) if spec.resource is not None else None
+    except Exception as exc:  # noqa: BLE001 - a failing policy function must not end the turn
+        _log.exception("idempotency_key/resource function of %s failed (call %s)", call.name, call.id)
+        failure = errors.execution_error(call, type(exc).__name__, f"the tool's policy function failed: {exc}")
+        return errors.error_result(call, failure)
+    return PreparedCall(call=call, arguments=arguments, idempotency_key=key, resource=resource)
 
 
 class Pipeline:
@@ -147,13 +153,13 @@ class Pipeline:
         permission_hook: PermissionHook | None = None,
         spill: SpillStore | None = None,
     ) -> None:
-        self.registry = registry
+        # A copy, so the caller's registry is left as it was.
+        self.registry = Registry(registry)
         self.permission_hook = permission_hook
         self.spill = spill if spill is not None else spill_store()
         # Cut outputs point the model at read_output; like the Orchestrator, make sure it exists,
         # reading the store this pipeline spills into.
-        if read_output.name not in registry:
-            registry.add(read_output if spill is None else read_output_tool(spill))
+        self.registry.add_missing([read_output if spill is None else read_output_tool(spill)])
 
     def run(self, call: ToolCall, session_id: str = "local") -> ToolResult:
         """Exactly one result for the call; never raises for anything the model or handler did."""

@@ -90,25 +90,23 @@ class Orchestrator:
     def plan(self, session_id: str, turn_id: str, calls: list[ToolCall], provider: Provider) -> TurnRecord:
         """Check every call and group the valid ones: one chain per shared resource, in model order."""
         early: list[ToolResult] = []
+        by_resource: dict[str, list[DispatchedCall]] = {}
+        groups: list[list[DispatchedCall]] = []
         dispatched: list[DispatchedCall] = []
         for call in sorted(calls, key=lambda c: c.index):
             prepared = prepare_call(call, self.registry, session_id, self.permission_hook)
             if isinstance(prepared, ToolResult):
                 early.append(prepared)
                 continue
-            dispatched.append(self._dispatched(prepared))
-        by_resource: dict[str, list[DispatchedCall]] = {}
-        groups: list[list[DispatchedCall]] = []
-        for dc in dispatched:
-            spec = self.registry[dc.call.name]
-            resource = spec.resource(dc.arguments) if spec.resource is not None else None
-            if resource is None:
+            dc = self._dispatched(prepared)
+            dispatched.append(dc)
+            if prepared.resource is None:
                 groups.append([dc])
-            elif resource in by_resource:
-                by_resource[resource].append(dc)
+            elif prepared.resource in by_resource:
+                by_resource[prepared.resource].append(dc)
             else:
-                by_resource[resource] = [dc]
-                groups.append(by_resource[resource])
+                by_resource[prepared.resource] = [dc]
+                groups.append(by_resource[prepared.resource])
         return TurnRecord(
             session_id=session_id,
             turn_id=turn_id,

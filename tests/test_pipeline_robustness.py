@@ -245,3 +245,34 @@ def test_streamed_truncated_arguments_become_invalid_json(provider: str) -> None
     (result,) = FAST.run_all(calls)
     assert result.call_id == "call_s"
     assert result.error is not None and result.error.code is ErrorCode.INVALID_JSON
+
+
+def test_handler_text_with_lone_surrogates_is_still_one_ok_result() -> None:
+    from orchestrator import Pipeline
+    from worker import Registry, ToolCall, tool
+
+    @tool(side_effect="read", sandbox={"isolate": False})
+    def broken_text() -> str:
+        """Return text that is not valid Unicode."""
+        return "before \ud800 after"
+
+    result = Pipeline(Registry([broken_text])).run(ToolCall(id="c1", name="broken_text", arguments_raw="{}"))
+    assert result.status == "ok"
+    assert result.content == "before \ufffd after"
+    result.model_dump_json()
+
+
+def test_a_failing_policy_function_is_a_result_not_an_exception() -> None:
+    from orchestrator import Pipeline
+    from worker import ErrorCode, Registry, ToolCall, tool
+
+    @tool(side_effect="read", sandbox={"isolate": False}, resource=lambda args: args["missing"])
+    def locked(path: str) -> str:
+        """Touch a path."""
+        return path
+
+    registry = Registry([locked])
+    result = Pipeline(registry).run(ToolCall(id="c1", name="locked", arguments_raw='{"path": "a"}'))
+    assert result.error is not None and result.error.code == ErrorCode.EXECUTION_ERROR
+    assert "policy function failed" in result.content
+    assert "read_output" not in registry  # the caller's registry is not modified

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from worker.context import ToolContext
+from worker.redaction import well_formed
 from worker.tools import ToolSpec, handler_kwargs
 
 OutcomeStatus = Literal["ok", "error", "timeout", "crashed", "cancelled"]
@@ -52,16 +53,16 @@ def _jsonable(value: Any) -> Any:
 def outcome_from_value(value: Any) -> HandlerOutcome:
     """Split a handler's return value into model text and structured data."""
     if isinstance(value, ToolOutput):
-        return HandlerOutcome(status="ok", content=value.content, data=_jsonable(value.data))
+        return HandlerOutcome(status="ok", content=well_formed(value.content), data=_jsonable(value.data))
     if value is None:
         return HandlerOutcome(status="ok", content="")
     if isinstance(value, str):
-        return HandlerOutcome(status="ok", content=value)
+        return HandlerOutcome(status="ok", content=well_formed(value))
     try:
         data = _jsonable(value)
     except (TypeError, ValueError):
         return HandlerOutcome(status="ok", content=repr(value))
-    return HandlerOutcome(status="ok", content=json.dumps(data, ensure_ascii=False, default=str), data=data)
+    return HandlerOutcome(status="ok", content=well_formed(json.dumps(data, ensure_ascii=False, default=str)), data=data)
 
 
 def outcome_from_exception(spec: ToolSpec, exc: BaseException) -> HandlerOutcome:

@@ -1,0 +1,64 @@
+"""Smoke test of `bench.turns`: a tiny run starts its own Redis and worker and writes a full report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.processes import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def processes_using(path: Path) -> list[int]:
+    """Pids whose command line or open files mention `path` (redis-server's --dir, the worker's log)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            refs = [(entry / "cmdline").read_bytes().decode(errors="replace")]
+            refs += [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+        except OSError:
+            continue
+        if any(str(path) in ref for ref in refs):
+            found.append(int(entry.name))
+    return found
+
+
+def test_tiny_run_writes_report_and_cleans_up(tmp_path: Path) -> None:
+    report_path = tmp_path / "turns.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.turns", "--rounds", "1", "--sizes", "1", "--turns-per-round", "2",
+         "--pipeline-turns", "4", "--inflight", "2", "--warmup", "1", "--redis-stats-turns", "2",
+         "--concurrency", "1", "--json", str(report_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        # The benchmark's scratch directory lands under tmp_path, so leftovers can be found.
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "p50/bare" in completed.stdout
+    assert processes_using(tmp_path) == [], "redis-server or worker processes outlived the benchmark"
+
+    report = json.loads(report_path.read_text())
+    assert report["environment"]["celery"] and report["environment"]["cpu_count"]
+    assert report["parameters"]["sizes"] == [1] and report["parameters"]["concurrency"] == 1
+    assert report["targets"] == {"p50_ratio_max": 1.25, "throughput_ratio_min": 0.8}
+    (result,) = report["results"]
+    assert result["size"] == 1
+    assert set(result["latency"]) == {"bare", "toolchord", "toolchord-nosandbox"}
+    for latency in result["latency"].values():
+        assert latency["samples"] == 2
+        assert 0 < latency["p50_ms"] <= latency["p95_ms"]
+    assert set(result["throughput"]) == {
+        "bare", "toolchord", "toolchord-nosandbox", "toolchord+asyncio", "toolchord-nosandbox+asyncio"
+    }
+    assert all(t["turns_per_s"] > 0 for t in result["throughput"].values())
+    assert set(result["p50_ratio"]) == {"toolchord", "toolchord-nosandbox"}
+    assert set(result["throughput_ratio"]) == set(result["throughput"]) - {"bare"}
+    assert all(cost["commands_per_turn"] > 0 for cost in result["redis"].values())
