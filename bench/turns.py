@@ -12,7 +12,7 @@ Variants, all with the same trivial work (return the argument as text) and JSON 
   (a sandboxed child process per call);
 - `toolchord-nosandbox`: the same with `sandbox={"isolate": False}`: orchestration cost alone.
 Throughput keeps `--inflight` turns in flight on a thread pool (the same harness for every
-variant), plus toolchord's asyncio path (`arun_calls`) against the same bare figure.
+variant), plus toolchord's asyncio path (`arun_calls`, without sandbox) against the same bare figure.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 from types import FrameType
-from typing import Any, Literal
+from typing import Literal
 
 import celery
 import kombu
@@ -68,7 +69,8 @@ class Parameters(BaseModel):
     turns_per_round: int = Field(ge=1, description="Latency samples per variant and size in each round.")
     concurrency: int = Field(ge=1, description="Prefork pool processes of the one worker.")
     inflight: int = Field(ge=1, description="Turns in flight at once in the throughput phase.")
-    pipeline_turns: int = Field(ge=0, description="Turns per variant, size and round in the throughput phase.")
+    pipeline_calls: int = Field(ge=0, description="Calls per variant, size and round in the throughput phase "
+                                "(at least 2 x inflight turns); 0 skips the phase.")
     warmup_turns: int = Field(ge=0)
     redis_stats_turns: int = Field(ge=0, description="Sequential turns per variant and size counted in Redis.")
 
@@ -174,9 +176,11 @@ class TurnRunner:
     def _bare(self, size: int) -> None:
         header = [self.app.signature(BARE_CALL_TASK, args=(i,), queue=QUEUE) for i in range(size)]
         body = self.app.signature(BARE_COLLECT_TASK, queue=QUEUE)
-        # Same waiting call as run_calls (pub/sub on the result key); disable_sync_subtasks only
-        # because the thread-pool harness may run this from any thread.
-        value = chord(header, body).apply_async().get(timeout=60, disable_sync_subtasks=False)
+        sent = chord(header, body).apply_async()
+        # Wait exactly as run_calls does: on the callback's result alone. The result apply_async
+        # returns would also poll every header task's state while waiting (Celery checks parents
+        # for errors), which costs the bare side ~4x the Redis round trips of toolchord at size 16.
+        value = self.app.AsyncResult(sent.id).get(timeout=60, interval=0.002, disable_sync_subtasks=False)
         self._check([("ok", v) for v in value], size)
 
     @staticmethod
@@ -207,16 +211,21 @@ def measure_latency(runner: TurnRunner, params: Parameters) -> dict[int, dict[Va
         for size in params.sizes:
             for turn_no in range(params.turns_per_round):
                 for variant in _rotated(VARIANTS, round_no + turn_no):
-                    samples[size][variant].append(_timed(lambda: runner.run(variant, size)))
+                    samples[size][variant].append(_timed(partial(runner.run, variant, size)))
     return samples
+
+
+def _pipeline_turns(params: Parameters, size: int) -> int:
+    return max(2 * params.inflight, params.pipeline_calls // size)
 
 
 def _threads_rate(runner: TurnRunner, variant: Variant, size: int, params: Parameters, pool: ThreadPoolExecutor) -> float:
     def run_all() -> None:
-        for future in [pool.submit(runner.run, variant, size) for _ in range(params.pipeline_turns)]:
+        for future in [pool.submit(runner.run, variant, size) for _ in range(turns)]:
             future.result()
 
-    return params.pipeline_turns / _timed(run_all)
+    turns = _pipeline_turns(params, size)
+    return turns / _timed(run_all)
 
 
 def _asyncio_rate(runner: TurnRunner, variant: Variant, size: int, params: Parameters,
@@ -228,16 +237,17 @@ def _asyncio_rate(runner: TurnRunner, variant: Variant, size: int, params: Param
             async with gate:
                 await runner.arun(variant, size)
 
-        await asyncio.gather(*(one() for _ in range(params.pipeline_turns)))
+        await asyncio.gather(*(one() for _ in range(turns)))
 
-    return params.pipeline_turns / _timed(lambda: loop.run_until_complete(run_all()))
+    turns = _pipeline_turns(params, size)
+    return turns / _timed(lambda: loop.run_until_complete(run_all()))
 
 
 def measure_throughput(runner: TurnRunner, params: Parameters,
                        loop: asyncio.AbstractEventLoop) -> dict[int, dict[str, list[float]]]:
     """Turns per second with `inflight` turns at once; rounds alternate the variants' order."""
     rates: dict[int, dict[str, list[float]]] = {s: {} for s in params.sizes}
-    if params.pipeline_turns == 0:
+    if params.pipeline_calls == 0:
         return rates
     with ThreadPoolExecutor(params.inflight, thread_name_prefix="bench-turn") as pool:
         for round_no in range(params.rounds):
@@ -245,7 +255,9 @@ def measure_throughput(runner: TurnRunner, params: Parameters,
                 for variant in _rotated(VARIANTS, round_no):
                     rate = _threads_rate(runner, variant, size, params, pool)
                     rates[size].setdefault(variant, []).append(rate)
-                    if variant != "bare":
+                    # The asyncio path differs from the threaded one only on the orchestrator side,
+                    # so it is measured without the sandbox, whose cost is on the worker side.
+                    if variant == "toolchord-nosandbox":
                         rate = _asyncio_rate(runner, variant, size, params, loop)
                         rates[size].setdefault(variant + ASYNC_SUFFIX, []).append(rate)
     return rates
@@ -332,13 +344,14 @@ def render(report: Report) -> str:
     env, params = report.environment, report.parameters
     lines = [
         "== environment",
-        f"cpus {env.cpu_count} (usable {env.cpus_usable}), {env.machine}, Python {env.python}, "
-        f"Celery {env.celery}, kombu {env.kombu}, redis-py {env.redis_py}, redis-server {env.redis_server}",
+        (f"cpus {env.cpu_count} (usable {env.cpus_usable}), {env.machine}, Python {env.python}, "
+         f"Celery {env.celery}, kombu {env.kombu}, redis-py {env.redis_py}, redis-server {env.redis_server}"),
         env.sandbox_layers,
         "== parameters",
-        f"sizes {params.sizes}, rounds {params.rounds}, latency turns/round {params.turns_per_round}, "
-        f"worker concurrency {params.concurrency} (prefork, 1 worker), in flight {params.inflight}, "
-        f"throughput turns/round {params.pipeline_turns}, warm-up turns {params.warmup_turns}",
+        (f"sizes {params.sizes}, rounds {params.rounds}, latency turns/round {params.turns_per_round}, "
+         f"worker concurrency {params.concurrency} (prefork, 1 worker), in flight {params.inflight}, "
+         f"throughput calls/round {params.pipeline_calls} (>= {2 * params.inflight} turns), "
+         f"warm-up turns {params.warmup_turns}"),
         "",
         f"== per-turn latency (sequential turns; target: toolchord p50 <= {P50_TARGET}x bare)",
         f"{'size':>4}  {'variant':<22}{'p50 ms':>8}{'p95 ms':>8}{'mean ms':>9}{'p50/bare':>10}  target",
@@ -348,11 +361,11 @@ def render(report: Report) -> str:
             ratio = result.p50_ratio.get(variant)
             tail = f"{ratio:>10.2f}  {_verdict(ratio, P50_TARGET, False)}" if ratio is not None else f"{'':>10}"
             lines.append(f"{result.size:>4}  {variant:<22}{lat.p50_ms:>8.2f}{lat.p95_ms:>8.2f}{lat.mean_ms:>9.2f}{tail}")
-    if params.pipeline_turns:
+    if params.pipeline_calls:
         lines += [
             "",
-            f"== pipelined throughput ({params.inflight} turns in flight, median over rounds; "
-            f"target: toolchord >= {THROUGHPUT_TARGET}x bare)",
+            (f"== pipelined throughput ({params.inflight} turns in flight, median over rounds; "
+             f"target: toolchord >= {THROUGHPUT_TARGET}x bare)"),
             f"{'size':>4}  {'variant':<30}{'turns/s':>9}{'calls/s':>9}{'x bare':>8}  target",
         ]
         for result in report.results:
@@ -386,44 +399,54 @@ def _interrupt_on_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run(params: Parameters, workdir: Path) -> Report:
-    """Start Redis and the worker, measure, and stop both whatever happens."""
-    started = time.perf_counter()
-    server = RedisServer(workdir)
-    worker: WorkerProcess | None = None
-    runner: TurnRunner | None = None
-    loop = asyncio.new_event_loop()
+def _progress(message: str) -> None:
+    print(f"[bench.turns] {message}", file=sys.stderr, flush=True)
+
+
+def _close_orchestrator(runner: TurnRunner, loop: asyncio.AbstractEventLoop) -> None:
+    """Release the runner's connections; an interrupted event loop may refuse, which is fine at exit."""
     try:
+        runner.orchestrator.close()
+    except Exception as exc:  # noqa: BLE001 - teardown must go on to stop Redis and the worker
+        _progress(f"closing the orchestrator failed ({exc!r}); continuing teardown")
+    finally:
+        loop.close()
+
+
+def run(params: Parameters, workdir: Path) -> Report:
+    """Start Redis and the worker, measure, and stop both whatever happens (each stop is independent)."""
+    started = time.perf_counter()
+    with ExitStack() as cleanup:
+        server = RedisServer(workdir)
+        cleanup.callback(server.stop)
         server.start()
-        env = worker_env(server.url, TOOL_MODULE)
-        worker = WorkerProcess(env, QUEUE, params.concurrency, "bench", workdir / "worker.log", loglevel="WARNING")
+        worker = WorkerProcess(worker_env(server.url, TOOL_MODULE), QUEUE, params.concurrency, "bench",
+                               workdir / "worker.log", loglevel="WARNING")
+        # Registered before start(): a Ctrl-C during start-up must not leave the worker running.
+        cleanup.callback(worker.kill)
         worker.start()
+        _progress(f"redis-server on port {server.port} and a worker with {params.concurrency} pool processes ready")
+        loop = asyncio.new_event_loop()
         runner = TurnRunner(server.url)
-        client = redis.Redis.from_url(server.url)
+        cleanup.callback(_close_orchestrator, runner, loop)
+        client = cleanup.enter_context(redis.Redis.from_url(server.url))
         for _ in range(params.warmup_turns):
             for variant in VARIANTS:
                 runner.run(variant, max(params.sizes))
-        for variant in TOOL_OF:
-            loop.run_until_complete(runner.arun(variant, 1))
+        loop.run_until_complete(runner.arun("toolchord-nosandbox", 1))
+        _progress("measuring latency")
         latencies = measure_latency(runner, params)
+        _progress(f"latency done at {time.perf_counter() - started:.1f} s; measuring throughput")
         rates = measure_throughput(runner, params, loop)
+        _progress(f"throughput done at {time.perf_counter() - started:.1f} s; counting Redis commands")
         costs = measure_redis(runner, client, params)
-        report = Report(
+        return Report(
             environment=environment(client),
             parameters=params,
             targets={"p50_ratio_max": P50_TARGET, "throughput_ratio_min": THROUGHPUT_TARGET},
             results=summarize(params, latencies, rates, costs),
             elapsed_s=round(time.perf_counter() - started, 1),
         )
-        client.close()
-        return report
-    finally:
-        if runner is not None:
-            runner.orchestrator.close()
-        loop.close()
-        if worker is not None:
-            worker.kill()
-        server.stop()
 
 
 def _sizes(text: str) -> list[int]:
@@ -437,12 +460,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Parameters, Path | None]:
     parser = argparse.ArgumentParser(prog="toolchord bench turns",
                                      description="Turn latency and throughput: toolchord against a bare Celery chord.")
     parser.add_argument("--sizes", type=_sizes, default=[1, 4, 16], help="calls per turn, comma-separated (default 1,4,16)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of every measurement (default 5)")
-    parser.add_argument("--turns-per-round", type=int, default=10, help="latency samples per variant, size and round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every measurement (default 3)")
+    parser.add_argument("--turns-per-round", type=int, default=8, help="latency samples per variant, size and round")
     parser.add_argument("--concurrency", type=int, default=2, help="prefork pool processes of the worker (default 2)")
-    parser.add_argument("--inflight", type=int, default=8, help="turns in flight in the throughput phase (default 8)")
-    parser.add_argument("--pipeline-turns", type=int, default=32,
-                        help="turns per variant, size and round in the throughput phase (0 skips it)")
+    parser.add_argument("--inflight", type=int, default=4, help="turns in flight in the throughput phase (default 4)")
+    parser.add_argument("--pipeline-calls", type=int, default=32,
+                        help="calls per variant, size and round in the throughput phase, at least 2 x inflight "
+                             "turns (default 32; 0 skips the phase)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up turns per variant before measuring")
     parser.add_argument("--redis-stats-turns", type=int, default=10,
                         help="sequential turns per variant and size counted in Redis (0 skips it)")
@@ -450,7 +474,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Parameters, Path | None]:
     options = parser.parse_args(argv)
     params = Parameters(sizes=options.sizes, rounds=options.rounds, turns_per_round=options.turns_per_round,
                         concurrency=options.concurrency, inflight=options.inflight,
-                        pipeline_turns=options.pipeline_turns, warmup_turns=options.warmup,
+                        pipeline_calls=options.pipeline_calls, warmup_turns=options.warmup,
                         redis_stats_turns=options.redis_stats_turns)
     return params, options.json
 

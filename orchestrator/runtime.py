@@ -210,8 +210,9 @@ class Orchestrator:
     def _unfinished(self, record: TurnRecord, dc: DispatchedCall, reason: str) -> ToolResult:
         """The truthful result for a call that has none when the turn ends."""
         store = self.runtime.store
-        # Flag first, then look: a worker checks the flag after claiming, so either we see its
-        # start here or it sees the flag and does not run (no call is reported NOT_EXECUTED and run).
+        # Flag first, then look: a worker's claim checks the flag and records the start in one
+        # atomic step, so either we see its start here or it sees the flag and does not run (no
+        # call is reported NOT_EXECUTED and then run).
         store.cancel(cancel_scope(record.turn_id, dc.key), self.runtime.settings.result_ttl)
         self.app.control.revoke(dc.task_id)
         if not store.started(dc.key):
@@ -250,10 +251,10 @@ class Orchestrator:
     ) -> TurnResult | tuple[TurnRecord, str]:
         """Plan and dispatch the turn (or find it): a finished TurnResult, or the record and callback id."""
         turn_id = turn_id or _digest(session_id, *(c.id for c in calls))
-        done = self.turns.result(session_id, turn_id)
-        if done is not None:
-            return done
-        record = self.turns.record(session_id, turn_id)
+        found = self.turns.find(session_id, turn_id)
+        if isinstance(found, TurnResult):
+            return found
+        record = found
         if record is None:
             record = self.plan(session_id, turn_id, calls, provider)
             self.turns.save(record)

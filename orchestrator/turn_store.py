@@ -23,6 +23,10 @@ class TurnStore(Protocol):
 
     def record(self, session_id: str, turn_id: str) -> TurnRecord | None: ...
 
+    def find(self, session_id: str, turn_id: str) -> TurnResult | TurnRecord | None:
+        """The turn's result when it finished, else its record when it exists."""
+        ...
+
     def finish(self, record: TurnRecord, result: TurnResult) -> None: ...
 
     def result(self, session_id: str, turn_id: str) -> TurnResult | None: ...
@@ -62,6 +66,12 @@ class RedisTurnStore:
     def record(self, session_id: str, turn_id: str) -> TurnRecord | None:
         raw = self.redis.get(self._key(session_id, turn_id))
         return TurnRecord.model_validate_json(raw) if raw else None
+
+    def find(self, session_id: str, turn_id: str) -> TurnResult | TurnRecord | None:
+        result, record = self.redis.mget(self._key(session_id, turn_id, "result"), self._key(session_id, turn_id))
+        if result is not None:
+            return TurnResult.model_validate_json(result)
+        return TurnRecord.model_validate_json(record) if record is not None else None
 
     def finish(self, record: TurnRecord, result: TurnResult) -> None:
         done = record.model_copy(update={"status": "done"})
@@ -120,6 +130,11 @@ class MemoryTurnStore:
     def record(self, session_id: str, turn_id: str) -> TurnRecord | None:
         with self._lock:
             return self._records.get((session_id, turn_id))
+
+    def find(self, session_id: str, turn_id: str) -> TurnResult | TurnRecord | None:
+        with self._lock:
+            key = (session_id, turn_id)
+            return self._results.get(key) or self._records.get(key)
 
     def finish(self, record: TurnRecord, result: TurnResult) -> None:
         with self._lock:

@@ -9,29 +9,29 @@ import redis
 
 from worker import tool
 
-# Captured at import in the worker: the sandbox scrubs the environment before handlers run.
-_REDIS_URL = os.environ.get("TOOLCHORD_REDIS_URL") or os.environ.get("TOOLCHORD_BROKER_URL", "")
-WORKER_NAME = os.environ.get("TC_TEST_WORKER", "")
+# Handlers run with a scrubbed environment: the ledger's URL and the worker's name are passed in
+# through the allow-list and read at call time (a sandbox zygote imports this module with no env).
+SANDBOX = {"env_allow": ("PATH", "TC_TEST_LEDGER", "TC_TEST_WORKER")}
 
 
 def ledger() -> redis.Redis:
-    return redis.Redis.from_url(_REDIS_URL)
+    return redis.Redis.from_url(os.environ["TC_TEST_LEDGER"])
 
 
-@tool(side_effect="read")
+@tool(sandbox=SANDBOX, side_effect="read")
 def echo(text: str) -> str:
     """Return the text."""
     return text
 
 
-@tool(side_effect="read", timeout=1.0)
+@tool(sandbox=SANDBOX, side_effect="read", timeout=1.0)
 def slow(seconds: float) -> str:
     """Sleep, then say so."""
     time.sleep(seconds)
     return f"slept {seconds}"
 
 
-@tool(side_effect="read", max_retries=3)
+@tool(sandbox=SANDBOX, side_effect="read", max_retries=3)
 def flaky_read(key: str, failures: int) -> int:
     """Fail with a connection error `failures` times, then succeed."""
     count = ledger().incr(f"tc-test:attempts:{key}")
@@ -40,7 +40,7 @@ def flaky_read(key: str, failures: int) -> int:
     return count
 
 
-@tool(side_effect="unsafe", max_retries=3)
+@tool(sandbox=SANDBOX, side_effect="unsafe", max_retries=3)
 def flaky_unsafe(key: str, failures: int) -> int:
     """Act, then fail with a connection error `failures` times."""
     count = ledger().incr(f"tc-test:attempts:{key}")
@@ -49,7 +49,7 @@ def flaky_unsafe(key: str, failures: int) -> int:
     return count
 
 
-@tool(side_effect="read", resource=lambda args: args["resource"])
+@tool(sandbox=SANDBOX, side_effect="read", resource=lambda args: args["resource"])
 def serial_step(resource: str, label: str) -> str:
     """Record start and end of a step on a shared resource."""
     client = ledger()
@@ -59,10 +59,10 @@ def serial_step(resource: str, label: str) -> str:
     return label
 
 
-@tool(side_effect="read", queue="b")
+@tool(sandbox=SANDBOX, side_effect="read", queue="b")
 def where(x: int) -> str:
     """Say which worker ran the call."""
-    return f"{WORKER_NAME}:{x}"
+    return f"{os.environ.get('TC_TEST_WORKER', '')}:{x}"
 
 
 def _effect(key: str, seconds: float) -> int:
@@ -71,25 +71,25 @@ def _effect(key: str, seconds: float) -> int:
     return count
 
 
-@tool(side_effect="read", timeout=30)
+@tool(sandbox=SANDBOX, side_effect="read", timeout=30)
 def effect_read(key: str, seconds: float = 0.0) -> int:
     """Count a side effect, then take a while."""
     return _effect(key, seconds)
 
 
-@tool(side_effect="idempotent", timeout=30)
+@tool(sandbox=SANDBOX, side_effect="idempotent", timeout=30)
 def effect_idempotent(key: str, seconds: float = 0.0) -> int:
     """Count a side effect, then take a while."""
     return _effect(key, seconds)
 
 
-@tool(side_effect="unsafe", timeout=30)
+@tool(sandbox=SANDBOX, side_effect="unsafe", timeout=30)
 def effect_unsafe(key: str, seconds: float = 0.0) -> int:
     """Count a side effect, then take a while."""
     return _effect(key, seconds)
 
 
-@tool(side_effect="unsafe", timeout=30, idempotency_key=lambda args: args["order_id"])
+@tool(sandbox=SANDBOX, side_effect="unsafe", timeout=30, idempotency_key=lambda args: args["order_id"])
 def charge(order_id: str, cents: int) -> str:
     """Charge an order once per order id."""
     count = ledger().incr(f"tc-test:charges:{order_id}")
@@ -99,7 +99,7 @@ def charge(order_id: str, cents: int) -> str:
 _RECONCILE = {"yes": True, "no": False, "unknown": None}
 
 
-@tool(side_effect="unsafe", timeout=30, reconcile=lambda args, ctx: _RECONCILE[args["answer"]])
+@tool(sandbox=SANDBOX, side_effect="unsafe", timeout=30, reconcile=lambda args, ctx: _RECONCILE[args["answer"]])
 def effect_reconciled(key: str, answer: str) -> int:
     """Count a side effect; `answer` scripts what the reconcile check says about a lost attempt."""
     return _effect(key, 0.0)

@@ -102,6 +102,7 @@ def worker_env(redis_url: str, tool_modules: str, **extra: str) -> dict[str, str
         # Short enough that tests see redelivery after a worker is killed, far above any retry backoff.
         TOOLCHORD_VISIBILITY_TIMEOUT="8",
         TOOLCHORD_CLAIM_LEASE="2",
+        TC_TEST_LEDGER=redis_url,
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")])),
     )
     env.update(extra)

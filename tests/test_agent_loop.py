@@ -204,3 +204,19 @@ def test_toolchord_tools_prints_declarations() -> None:
     names = [d["name"] for d in json.loads(done.stdout)]
     assert set(names) == {"lookup_order", "set_shipping_address", "send_email", "slow_report"}
     assert all("input_schema" in d for d in json.loads(done.stdout))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_toolchord_run_against_a_model_server(tmp_path: Path, provider: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLCHORD_")}
+    env.update(TOOLCHORD_LOG_DIR=str(tmp_path / "logs"), OPENAI_API_KEY="test", ANTHROPIC_API_KEY="test")
+    script = [ScriptedTurn(calls=[ScriptedCall(name="lookup_order", arguments={"order_id": "A-1001"})]),
+              ScriptedTurn(text="A-1001 has shipped.")]
+    with ScriptedModelServer(script) as server:
+        done = _cli("run", "--base-url", base_url(server, provider), "--model", "m", "--provider", provider,
+                    "--tools", "worker.demo_tools", "Where is order A-1001?", env=env)
+        received = [r.body for r in server.requests]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "lookup_order" in done.stdout and "final answer: A-1001 has shipped." in done.stdout
+    assert len(received) == 2 and "espresso machine" in json.dumps(received[1])

@@ -60,7 +60,7 @@ def test_transient_error_retried_for_read_not_for_unsafe(start_worker, redis_url
         "s-retry", [call(0, "flaky_read", key="r", failures=2), call(1, "flaky_unsafe", key="u", failures=2)]
     )
     read, unsafe = turn.results
-    assert read.status == "ok" and read.content == "3" and read.attempts == 3
+    assert read.status == "ok" and read.content == "3" and read.attempts == 3, read.content
     assert unsafe.error.code == ErrorCode.EXECUTION_ERROR and unsafe.attempts == 1
     assert int(clean_redis.get("tc-test:attempts:u")) == 1
 

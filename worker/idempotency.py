@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from typing import Any, Protocol
 
@@ -44,6 +46,7 @@ def idempotency_key(spec: ToolSpec, session_id: str, call_id: str, arguments: di
 
 
 class ClaimState(str, Enum):
+    CANCELLED = "cancelled"  # the turn was cancelled (or gave up) before this call started: do not run
     CLAIMED = "claimed"  # first attempt: run the handler
     RECLAIMED = "reclaimed"  # an earlier attempt started and its claim expired: it may have acted
     STORED = "stored"  # a result is stored: return it without running
@@ -58,7 +61,10 @@ class Claim(BaseModel):
 class IdempotencyStore(Protocol):
     """Claims and results by idempotency key."""
 
-    def claim(self, key: str, token: str, lease: float, ttl: int) -> Claim: ...
+    def claim(self, key: str, token: str, lease: float, ttl: int, cancel_scope: str | None = None) -> Claim:
+        """Take the claim, unless a result is stored, another live claim holds it, or `cancel_scope`
+        is cancelled — in one atomic step, so a cancel either precedes the start or sees it."""
+        ...
 
     def renew(self, key: str, token: str, lease: float) -> bool: ...
 
@@ -87,6 +93,7 @@ class IdempotencyStore(Protocol):
 _CLAIM = """
 local result = redis.call('GET', KEYS[1])
 if result then return {'stored', result} end
+if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then return {'cancelled', false} end
 if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local before = redis.call('GET', KEYS[3])
   redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[3])
@@ -137,11 +144,12 @@ class RedisIdempotencyStore:
     def from_url(cls, url: str) -> RedisIdempotencyStore:
         return cls(redis.Redis.from_url(url, health_check_interval=30))
 
-    def claim(self, key: str, token: str, lease: float, ttl: int) -> Claim:
+    def claim(self, key: str, token: str, lease: float, ttl: int, cancel_scope: str | None = None) -> Claim:
         result_key, claim_key, started_key, _ = _keys(key)
-        state, value = self._claim(
-            keys=[result_key, claim_key, started_key], args=[token, int(lease * 1000), ttl]
-        )
+        keys = [result_key, claim_key, started_key]
+        if cancel_scope is not None:
+            keys.append(_keys(cancel_scope)[3])
+        state, value = self._claim(keys=keys, args=[token, int(lease * 1000), ttl])
         return Claim(state=ClaimState(state.decode()), result_json=value.decode() if value else None)
 
     def renew(self, key: str, token: str, lease: float) -> bool:
@@ -194,12 +202,14 @@ class MemoryIdempotencyStore:
     def _set(self, name: str, value: str, seconds: float) -> None:
         self._values[name] = (value, time.monotonic() + seconds)
 
-    def claim(self, key: str, token: str, lease: float, ttl: int) -> Claim:
+    def claim(self, key: str, token: str, lease: float, ttl: int, cancel_scope: str | None = None) -> Claim:
         result_key, claim_key, started_key, _ = _keys(key)
         with self._lock:
             stored = self._get(result_key)
             if stored is not None:
                 return Claim(state=ClaimState.STORED, result_json=stored)
+            if cancel_scope is not None and self._get(_keys(cancel_scope)[3]) is not None:
+                return Claim(state=ClaimState.CANCELLED)
             if self._get(claim_key) is not None:
                 return Claim(state=ClaimState.BUSY)
             before = self._get(started_key)
@@ -254,30 +264,41 @@ class MemoryIdempotencyStore:
             return self._get(_keys(key)[3]) is not None
 
 
-class LeaseKeeper:
-    """Renews a claim in the background while the handler runs (context manager)."""
+class LeaseRenewer:
+    """Renews every live claim of this process from one background thread.
 
-    def __init__(self, store: IdempotencyStore, key: str, token: str, lease: float) -> None:
-        self._store, self._key, self._token, self._lease = store, key, token, lease
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"lease-{key[:8]}", daemon=True)
-        self.lost = False
+    One thread per process (not per call) keeps the per-call cost to a dict update; the thread
+    starts with the first claim it holds.
+    """
+
+    def __init__(self, store: IdempotencyStore, lease: float) -> None:
+        self._store, self._lease = store, lease
+        self._held: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def hold(self, key: str, token: str) -> Iterator[None]:
+        """Keep the claim on `key` alive while the block runs."""
+        with self._lock:
+            self._held[key] = token
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="toolchord-lease-renewer", daemon=True)
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held.pop(key, None)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._lease / 3):
-            try:
-                if not self._store.renew(self._key, self._token, self._lease):
-                    self.lost = True
-                    return
-            except redis.RedisError:
-                # A blip in Redis: keep trying until the lease would have run out anyway.
-                continue
-
-    def __enter__(self) -> LeaseKeeper:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self._lease)
-
+        while True:
+            time.sleep(self._lease / 3)
+            with self._lock:
+                held = list(self._held.items())
+            for key, token in held:
+                try:
+                    self._store.renew(key, token, self._lease)
+                except redis.RedisError:
+                    # A blip in Redis: try again next round, before the lease would run out.
+                    continue

@@ -23,7 +23,7 @@ from worker import errors
 from worker.worker_runtime import WorkerRuntime, runtime_of
 from worker.context import ToolContext
 from worker.execution import HandlerOutcome
-from worker.idempotency import Claim, ClaimState, LeaseKeeper
+from worker.idempotency import Claim, ClaimState
 from worker.models import SideEffect, ToolCall, ToolResult
 from worker.payloads import CallPayload, CallRef
 from worker.results import result_from_outcome
@@ -81,8 +81,8 @@ class CallExecution:
         if spec is None:
             return unavailable_tool_result(self.call, self.rt.registry.closest(self.call.name))
         store = self.rt.store
-        if store.cancelled(self.p.cancel_scope) or time.time() > self.p.deadline:
-            return self._not_executed("the turn was cancelled or its deadline passed before it started")
+        if time.time() > self.p.deadline:
+            return self._not_executed("the turn's deadline passed before it started")
         token = uuid.uuid4().hex
         try:
             claim = self._claim_or_wait(token)
@@ -95,9 +95,8 @@ class CallExecution:
         if claim.state is ClaimState.STORED:
             assert claim.result_json is not None
             return self._for_this_call(claim.result_json)
-        if store.cancelled(self.p.cancel_scope):
-            store.release(self.p.key, token, forget_start=True)
-            return self._not_executed("the turn was cancelled before it started")
+        if claim.state is ClaimState.CANCELLED:
+            return self._not_executed("the turn was cancelled or gave up on it before it started")
         if claim.state is ClaimState.RECLAIMED and spec.side_effect == "unsafe":
             reconciled = self._reconcile(spec)
             if reconciled is not None:
@@ -115,7 +114,7 @@ class CallExecution:
         """Claim the key; while another delivery holds a live claim, wait for its result or its lease."""
         lease = self.rt.settings.claim_lease
         while True:
-            claim = self.rt.store.claim(self.p.key, token, lease, self.ttl)
+            claim = self.rt.store.claim(self.p.key, token, lease, self.ttl, self.p.cancel_scope)
             if claim.state is not ClaimState.BUSY:
                 return claim
             if time.time() > self.p.deadline:
@@ -166,7 +165,7 @@ class CallExecution:
         ).bind_cancel_check(lambda: store.cancelled(scope))
 
     def _run_handler(self, spec: ToolSpec, token: str) -> HandlerOutcome:
-        with LeaseKeeper(self.rt.store, self.p.key, token, self.rt.settings.claim_lease):
+        with self.rt.lease_renewer.hold(self.p.key, token):
             return run_handler(spec, self.p.arguments, self._context())
 
     def _retry_countdown(self, spec: ToolSpec, outcome: HandlerOutcome) -> float | None:

@@ -13,7 +13,7 @@ from celery.concurrency.thread import TaskPool as ThreadTaskPool
 from celery.signals import worker_init, worker_process_init, worker_ready
 
 from worker.config import Settings
-from worker.idempotency import IdempotencyStore, MemoryIdempotencyStore, RedisIdempotencyStore
+from worker.idempotency import IdempotencyStore, LeaseRenewer, MemoryIdempotencyStore, RedisIdempotencyStore
 from worker.registry import Registry
 from worker.spill import MemorySpillStore, RedisSpillStore, SpillStore, read_output, set_spill_store
 
@@ -46,6 +46,10 @@ class WorkerRuntime:
         return RedisIdempotencyStore(self.redis)
 
     @cached_property
+    def lease_renewer(self) -> LeaseRenewer:
+        return LeaseRenewer(self.store, self.settings.claim_lease)
+
+    @cached_property
     def spill(self) -> SpillStore:
         spill: SpillStore = (
             MemorySpillStore() if self.redis is None else RedisSpillStore(self.redis, self.settings.result_ttl)
@@ -55,7 +59,7 @@ class WorkerRuntime:
 
     def reset_connections(self) -> None:
         """Forget connections inherited over fork; each pool child opens its own."""
-        for name in ("redis", "store", "spill"):
+        for name in ("redis", "store", "lease_renewer", "spill"):
             self.__dict__.pop(name, None)
 
     def start_embedded_worker(self, app: Celery) -> None:
