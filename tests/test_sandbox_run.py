@@ -175,11 +175,16 @@ def test_runs_from_a_daemonic_billiard_pool_child() -> None:
     """Celery's prefork pool children are daemonic; stdlib multiprocessing would refuse to fork there."""
     import billiard
 
+    from worker.sandbox import zygote_pid
+
     with billiard.get_context("fork").Pool(1) as pool:
         lazy = pool.apply(tools.run_in_pool_child, ("lazy_import",))
         spin = pool.apply(tools.run_in_pool_child, ("spin",))
+        pool_zygote = pool.apply(zygote_pid)
     assert lazy[0] == "ok" and lazy[2] != os.getpid()
     assert spin[0] == "timeout"
+    # The pool child started a zygote of its own (not the one of this process).
+    assert pool_zygote is not None and pool_zygote != zygote_pid()
 
 
 def test_with_only_rlimits_available_calls_still_run_with_a_warning(

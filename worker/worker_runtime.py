@@ -132,3 +132,11 @@ def _fresh_connections_after_fork(**_: Any) -> None:
         runtime.reset_connections()
 
 
+@worker_process_init.connect
+def _start_sandbox_zygote(**_: Any) -> None:
+    # In the background, so the pool child reports to Celery in time; calls wait for it if needed.
+    from worker.sandbox import start_zygote
+
+    start_zygote([m for runtime in _RUNTIMES for m in runtime.settings.tool_modules], wait=False)
+
+

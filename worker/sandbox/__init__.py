@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         probe,
     )
     from worker.sandbox.runner import run_isolated
+    from worker.sandbox.zygote import start_zygote, stop_zygote, zygote_pid
 
 _LAZY = {
     "LayerStatus": "worker.sandbox.capabilities",
@@ -28,6 +29,9 @@ _LAZY = {
     "log_layers": "worker.sandbox.capabilities",
     "probe": "worker.sandbox.capabilities",
     "run_isolated": "worker.sandbox.runner",
+    "start_zygote": "worker.sandbox.zygote",
+    "stop_zygote": "worker.sandbox.zygote",
+    "zygote_pid": "worker.sandbox.zygote",
 }
 
 
@@ -46,4 +50,7 @@ __all__ = [
     "log_layers",
     "probe",
     "run_isolated",
+    "start_zygote",
+    "stop_zygote",
+    "zygote_pid",
 ]

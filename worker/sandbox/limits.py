@@ -18,7 +18,7 @@ def cpu_seconds(profile: SandboxProfile, timeout: float) -> int:
     return math.ceil(timeout) + 1
 
 
-def _mapped_bytes() -> int:
+def mapped_bytes() -> int:
     """Address space already mapped in this (freshly forked) process."""
     with open("/proc/self/statm", "rb") as statm:
         pages = int(statm.read().split()[0])
@@ -38,7 +38,7 @@ def apply_rlimits(profile: SandboxProfile, timeout: float) -> None:
     cpu = cpu_seconds(profile, timeout)
     # Soft limit -> SIGXCPU, one second later the hard limit -> SIGKILL.
     _set(resource.RLIMIT_CPU, cpu, cpu + 1)
-    address_space = _mapped_bytes() + profile.memory_mb * MIB
+    address_space = mapped_bytes() + profile.memory_mb * MIB
     _set(resource.RLIMIT_AS, address_space, address_space)
     _set(resource.RLIMIT_NOFILE, profile.max_open_files, profile.max_open_files)
     file_size = profile.max_file_size_mb * MIB

@@ -35,7 +35,8 @@ class SandboxProfile(BaseModel):
         ge=16,
         description=(
             "Address space the call may add, in MiB: RLIMIT_AS is set to the size of the forked "
-            "worker image plus this, so a large worker does not starve small tools."
+            "image (the zygote, or the worker on a direct fork) plus this, so a large worker does "
+            "not starve small tools."
         ),
     )
     cpu_seconds: int | None = Field(

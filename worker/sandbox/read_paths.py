@@ -52,7 +52,9 @@ def _compute() -> tuple[str, ...]:
     paths = dict.fromkeys(SYSTEM_READ_PATHS)
     paths.update(dict.fromkeys((sys.prefix, sys.base_prefix, sys.exec_prefix)))
     paths.update(
-        dict.fromkeys(p for p in (os.path.abspath(p) for p in sys.path if p) if p != cwd)
+        dict.fromkeys(
+            p for p in (os.path.abspath(p) for p in sys.path if p) if p != cwd
+        )
     )
     for name, module in list(sys.modules.items()):
         # Top-level modules found through path hooks (editable installs) or the current

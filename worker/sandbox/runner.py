@@ -1,19 +1,20 @@
-"""Run one tool call in a sandboxed child process of the worker and turn its end into an outcome.
+"""Run one tool call in a sandboxed child process and turn its end into an outcome.
 
-The child is an `os.fork` of the worker process (a Celery prefork pool child, or the embedded
-in-process worker): no new interpreter starts, the tool modules are already imported, and a call
-costs a few milliseconds. stdlib `multiprocessing` is not used because it refuses to start children
-from daemonic pool processes.
+The child is forked by this worker process's zygote (`worker.sandbox.zygote`): a clean
+interpreter started with an allow-listed environment that imports only the tool modules, so the
+child's memory holds none of the worker's secrets, and forking it is cheaper than forking a large
+worker. Tools the zygote cannot import by name (defined in `__main__` or inside a function), and
+every call while the zygote is disabled or being replaced, run in a direct `os.fork` of the worker
+instead (stdlib `multiprocessing` is not used: it refuses to start children from daemonic pool
+processes). Both children apply the same layers (`worker.sandbox.child`) and the worker watches
+both the same way: output and result pipes, wall deadline, process-group kill.
 
-Residual risk of forking: the child starts with a copy of the worker's memory, so anything the
-worker holds in Python objects (broker URL with its password in the Celery config, API clients,
-caches) is in the child's address space too. The child clears `os.environ`, zeroes the original
-environment and argument strings, closes every inherited descriptor (broker and Redis sockets),
-drops to an unprivileged uid (so /proc/<worker>/environ and the worker's memory are unreadable),
-and Landlock hides /proc; but a hostile handler could still read secrets out of its own copy of
-the heap with ctypes. Workers that load secrets into memory and run untrusted handlers need a
-zygote (a clean interpreter started with an empty environment that forks per call) or a separate
-worker process without those secrets; see docs/sandbox.md.
+Residual risk of the direct fork: the child starts with a copy of the worker's memory, so
+anything the worker holds in Python objects (broker URL with its password in the Celery config,
+API clients, caches) is in the child's address space. The child clears `os.environ`, zeroes the
+original environment and argument strings, closes every inherited descriptor, drops to an
+unprivileged uid and Landlock hides /proc; but a hostile handler could still read secrets out of
+its own copy of the heap with ctypes. See docs/sandbox.md.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 from pydantic import BaseModel
 
@@ -45,6 +48,14 @@ from worker.sandbox.child import (
 from worker.sandbox.import_paths import private_import_roots
 from worker.sandbox.limits import cpu_seconds
 from worker.sandbox.profile import Layer, SandboxProfile
+from worker.sandbox.read_paths import DEVICE_PATHS, code_read_paths
+from worker.sandbox.zygote import (
+    ZygoteToolError,
+    locate,
+    zygote_client,
+    zygote_enabled,
+)
+from worker.sandbox.zygote_protocol import CallPayload
 from worker.tools import ToolSpec
 
 GRACE_SECONDS = 1.0
@@ -58,28 +69,9 @@ RESULT_MAX_BYTES = 16 * 1024 * 1024
 CANCEL_POLL_SECONDS = 0.2
 WORKDIR_ROOT_ENV = "TOOLCHORD_SANDBOX_DIR"
 
-SYSTEM_READ_PATHS: tuple[str, ...] = (
-    "/usr",
-    "/lib",
-    "/lib32",
-    "/lib64",
-    "/libx32",
-    "/bin",
-    "/sbin",
-    "/etc",
-)
-DEVICE_PATHS: tuple[str, ...] = (
-    "/dev/null",
-    "/dev/zero",
-    "/dev/full",
-    "/dev/random",
-    "/dev/urandom",
-)
-
 _log = logging.getLogger("toolchord.sandbox")
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
-_read_paths_cache: tuple[int, tuple[str, ...]] | None = None
 # Children that delivered their result and were killed but not yet reaped: waiting for the kernel
 # to tear down a forked worker image costs a millisecond or more, so it happens off the call path.
 _unreaped: set[int] = set()
@@ -211,42 +203,6 @@ def _remove_tree(path: str) -> None:
         _log.warning("could not remove sandbox workdir %s: %s", path, exc)
 
 
-def _read_paths(profile: SandboxProfile) -> tuple[str, ...]:
-    """System directories, the interpreter and the code already imported (read-only in the child).
-
-    The worker's current directory is not granted as a whole even when it is on sys.path (it is
-    often the project root, next to configuration and .env files); the modules and packages
-    imported from it are, one by one. Recomputed when new modules were imported.
-    """
-    global _read_paths_cache
-    module_count = len(sys.modules)
-    if _read_paths_cache is None or _read_paths_cache[0] != module_count:
-        cwd = os.getcwd()
-        paths = dict.fromkeys(SYSTEM_READ_PATHS)
-        paths.update(dict.fromkeys((sys.prefix, sys.base_prefix, sys.exec_prefix)))
-        paths.update(
-            dict.fromkeys(
-                p for p in (os.path.abspath(p) for p in sys.path if p) if p != cwd
-            )
-        )
-        for name, module in list(sys.modules.items()):
-            # Top-level modules found through path hooks (editable installs) or the current
-            # directory: a package grants its directory, a single module only its file.
-            origin = getattr(module, "__file__", None)
-            if "." not in name and origin:
-                origin = os.path.abspath(origin)
-                is_package = os.path.basename(origin).startswith("__init__.")
-                paths[os.path.dirname(origin) if is_package else origin] = None
-        existing = sorted((p for p in paths if os.path.exists(p)), key=len)
-        # A rule covers the whole subtree: nested entries only cost extra syscalls per call.
-        kept: list[str] = []
-        for path in existing:
-            if not any(path == k or path.startswith(k.rstrip("/") + "/") for k in kept):
-                kept.append(path)
-        _read_paths_cache = (module_count, tuple(kept))
-    return (*_read_paths_cache[1], *profile.read_paths)
-
-
 def _supervise(
     spec: ToolSpec,
     args: BaseModel,
@@ -264,19 +220,19 @@ def _supervise(
 
 
 def _clean_up(watch: _Watch | None, workdir: str) -> None:
-    """Remove the workdir; reap the child now only if it has to be gone first."""
-    if watch is None or watch.wait_status is not None:
+    """Remove the workdir; wait for the child's end now only if it has to be gone first."""
+    if watch is None or watch.child.ended:
         _remove_tree(workdir)
+        if watch is not None:
+            watch.child.release()
         return
     try:
         shutil.rmtree(workdir)
     except OSError:
         # A killed grandchild may still have been finishing a write: remove once the group is gone.
-        watch.reap(0)
+        watch.child.reap(block=True)
         _remove_tree(workdir)
-    else:
-        with _unreaped_lock:
-            _unreaped.add(watch.pid)
+    watch.child.release()
 
 
 def _planned_layers(profile: SandboxProfile, caps: SandboxCapabilities) -> list[str]:
@@ -289,6 +245,128 @@ def _planned_layers(profile: SandboxProfile, caps: SandboxCapabilities) -> list[
     ]
 
 
+class _Child(Protocol):
+    """A running sandbox child as the watch sees it: forked here, or by the zygote."""
+
+    pid: int
+    wait_status: int | None
+
+    @property
+    def exit_fd(self) -> int | None:
+        """A descriptor readable once the child may have ended; None: poll `poll_exit`."""
+        ...
+
+    @property
+    def ended(self) -> bool:
+        """The child's end is known (its status, or why it is unavailable)."""
+        ...
+
+    @property
+    def end_detail(self) -> str | None:
+        """Why the status is unavailable, when it is."""
+        ...
+
+    def poll_exit(self) -> bool:
+        """True once the child has ended (it may not be reaped yet)."""
+        ...
+
+    def reap(self, block: bool) -> bool:
+        """Collect the child's status; True once it is known."""
+        ...
+
+    def kill_group(self, signum: int) -> None:
+        """Signal the child's process group."""
+        ...
+
+    def release(self) -> None:
+        """The call is over; the child is reaped later if it was not yet."""
+        ...
+
+
+class _ForkedChild:
+    """A child forked by this process: exit seen on a pidfd, status from waitpid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.wait_status: int | None = None
+        self.end_detail: str | None = None
+        try:
+            self.pidfd: int | None = os.pidfd_open(pid)
+        except OSError:
+            self.pidfd = None  # kernels before 5.3: poll waitpid instead
+
+    @property
+    def exit_fd(self) -> int | None:
+        return self.pidfd
+
+    @property
+    def ended(self) -> bool:
+        return self.wait_status is not None
+
+    def poll_exit(self) -> bool:
+        if self.pidfd is not None:
+            # Readable pidfd: exited. The zombie is kept (reaped after the group kill).
+            return bool(select.select([self.pidfd], [], [], 0)[0])
+        return self.reap(block=False)
+
+    def reap(self, block: bool) -> bool:
+        if self.wait_status is not None:
+            return True
+        try:
+            pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            # Reaped elsewhere (a SIGCHLD handler): the status is lost.
+            self.wait_status = -1
+            return True
+        if pid == 0:
+            return False
+        self.wait_status = status
+        return True
+
+    def kill_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def release(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+        if self.wait_status is None:
+            # Waiting for the kernel to tear down a forked worker image costs a millisecond or
+            # more, so it happens off the call path.
+            with _unreaped_lock:
+                _unreaped.add(self.pid)
+
+
+@dataclass(frozen=True)
+class _Layers:
+    """What the child is to apply, from the profile and this host's capabilities."""
+
+    drop_uid: bool
+    netns: bool
+    landlock_abi: int
+    write_paths: tuple[str, ...]
+    seccomp_program: bytes | None
+
+    @classmethod
+    def plan(cls, profile: SandboxProfile, caps: SandboxCapabilities) -> _Layers:
+        available = caps.available()
+        seccomp_program = None
+        if "seccomp" in available:
+            from worker.sandbox.seccomp_filter import compile_filter
+
+            seccomp_program = compile_filter(network=profile.network)
+        return cls(
+            drop_uid="uid" in available,
+            netns=not profile.network and "netns" in available,
+            landlock_abi=caps.landlock_abi if "landlock" in available else 0,
+            write_paths=(*DEVICE_PATHS, *profile.write_paths),
+            seccomp_program=seccomp_program,
+        )
+
+
 def _start(
     spec: ToolSpec,
     args: BaseModel,
@@ -297,48 +375,25 @@ def _start(
     workdir: str,
     caps: SandboxCapabilities,
 ) -> _Watch:
-    profile = spec.sandbox
-    available = caps.available()
-    drop_uid = "uid" in available
-    seccomp_program = None
-    if "seccomp" in available:
-        from worker.sandbox.seccomp_filter import compile_filter
-
-        seccomp_program = compile_filter(network=profile.network)
+    layers = _Layers.plan(spec.sandbox, caps)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     res_r, res_w = os.pipe2(os.O_CLOEXEC)
     ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
-    plan = ChildPlan(
-        spec=spec,
-        args=args,
-        context=context,
-        timeout=limit,
-        workdir=workdir,
-        output_fd=out_w,
-        result_fd=res_w,
-        control_fd=ctl_r,
-        parent_pid=os.getpid(),
-        drop_uid=drop_uid,
-        netns=not profile.network and "netns" in available,
-        landlock_abi=caps.landlock_abi if "landlock" in available else 0,
-        read_paths=_read_paths(profile),
-        write_paths=(*DEVICE_PATHS, *profile.write_paths),
-        seccomp_program=seccomp_program,
-        import_roots=private_import_roots() if drop_uid else (),
-        required=profile.required,
-    )
-    started = time.monotonic()
+    child_fds = (out_w, res_w, ctl_r)
     try:
-        pid = os.fork()
-    except OSError:
+        child = _start_in_zygote(spec, args, context, limit, workdir, layers, child_fds)
+        if child is None:
+            child = _fork_worker(spec, args, context, limit, workdir, layers, child_fds)
+    except BaseException:
         for fd in (out_r, out_w, res_r, res_w, ctl_r, ctl_w):
             os.close(fd)
         raise
-    if pid == 0:
-        child_main(plan)
-    for fd in (out_w, res_w, ctl_r):
+    # The deadline counts from the moment the call reached its child: waiting for a zygote
+    # (loading a tool, or one that failed) is not the handler's time.
+    started = time.monotonic()
+    for fd in child_fds:
         os.close(fd)
-    watch = _Watch(pid, out_r, res_r, ctl_w, spec, context, limit, started)
+    watch = _Watch(child, out_r, res_r, ctl_w, spec, context, limit, started)
     try:
         watch.run()
     finally:
@@ -347,12 +402,117 @@ def _start(
     return watch
 
 
+def _start_in_zygote(
+    spec: ToolSpec,
+    args: BaseModel,
+    context: ToolContext,
+    limit: float,
+    workdir: str,
+    layers: _Layers,
+    child_fds: tuple[int, int, int],
+) -> _Child | None:
+    """Hand the call to a child of the zygote; None when it has to fork the worker instead."""
+    if not zygote_enabled():
+        return None
+    locator = locate(spec)
+    if locator is None:
+        _note_direct(
+            spec,
+            "its module cannot be imported by name (__main__, or defined in a function)",
+        )
+        return None
+    key = locator.model_dump_json()
+    if key in _zygote_refused:
+        return None
+    profile = spec.sandbox
+    payload = CallPayload(
+        args_json=args.model_dump_json(round_trip=True),
+        context=context,
+        profile=profile,
+        timeout=limit,
+        workdir=workdir,
+        # The zygote's environment is only the allow-list: the worker's values travel with the call.
+        environment={
+            name: os.environ[name] for name in profile.env_allow if name in os.environ
+        },
+        drop_uid=layers.drop_uid,
+        netns=layers.netns,
+        landlock_abi=layers.landlock_abi,
+        write_paths=layers.write_paths,
+        seccomp_program=layers.seccomp_program.hex()
+        if layers.seccomp_program
+        else None,
+    )
+    try:
+        return zygote_client().submit(
+            locator, payload.model_dump_json().encode(), child_fds
+        )
+    except ZygoteToolError as exc:
+        _zygote_refused.add(key)
+        _note_direct(spec, f"the zygote cannot load it: {exc}")
+        return None
+
+
+def _fork_worker(
+    spec: ToolSpec,
+    args: BaseModel,
+    context: ToolContext,
+    limit: float,
+    workdir: str,
+    layers: _Layers,
+    child_fds: tuple[int, int, int],
+) -> _Child:
+    """The direct path: fork this (worker) process."""
+    profile = spec.sandbox
+    plan = ChildPlan(
+        spec=spec,
+        args=args,
+        context=context,
+        timeout=limit,
+        workdir=workdir,
+        output_fd=child_fds[0],
+        result_fd=child_fds[1],
+        control_fd=child_fds[2],
+        parent_pid=os.getpid(),
+        drop_uid=layers.drop_uid,
+        netns=layers.netns,
+        landlock_abi=layers.landlock_abi,
+        read_paths=(*code_read_paths(), *profile.read_paths),
+        write_paths=layers.write_paths,
+        seccomp_program=layers.seccomp_program,
+        import_roots=private_import_roots() if layers.drop_uid else (),
+        required=profile.required,
+    )
+    pid = os.fork()
+    if pid == 0:
+        child_main(plan)
+    return _ForkedChild(pid)
+
+
+# Tools (locators) the zygote failed to load: their calls fork the worker from then on.
+_zygote_refused: set[str] = set()
+_direct_noted: set[str] = set()
+
+
+def _note_direct(spec: ToolSpec, reason: str) -> None:
+    with _warned_lock:
+        if spec.name in _direct_noted:
+            return
+        _direct_noted.add(spec.name)
+    _log.warning(
+        "tool %s runs in a direct fork of the worker, not in the sandbox zygote: %s; its "
+        "handler can read the worker's memory",
+        spec.name,
+        reason,
+    )
+
+
 class _Watch:
     """The worker side of one child: collect its pipes, enforce the deadline, reap it."""
 
     def __init__(
         self,
-        pid: int,
+        child: _Child,
         out_fd: int,
         result_fd: int,
         control_fd: int,
@@ -361,7 +521,7 @@ class _Watch:
         limit: float,
         started: float,
     ) -> None:
-        self.pid = pid
+        self.child = child
         self.out_fd = out_fd
         self.result_fd = result_fd
         self.control_fd = control_fd
@@ -379,58 +539,59 @@ class _Watch:
         self.cancelled = False
         self.term_at: float | None = None
         self.cancel_seen_at: float | None = None
-        self.wait_status: int | None = None
+        self.killed_at: float | None = None
         os.set_blocking(out_fd, False)
         os.set_blocking(result_fd, False)
 
     def run(self) -> None:
-        try:
-            pidfd: int | None = os.pidfd_open(self.pid)
-        except OSError:
-            pidfd = None  # kernels before 5.3: poll waitpid instead
         poller = select.poll()
         open_fds = {self.out_fd, self.result_fd}
         for fd in open_fds:
             poller.register(fd, select.POLLIN)
-        if pidfd is not None:
-            poller.register(pidfd, select.POLLIN)
+        exit_fd = self.child.exit_fd
+        if exit_fd is not None:
+            poller.register(exit_fd, select.POLLIN)
         next_cancel_poll = self.started + CANCEL_POLL_SECONDS
-        try:
-            while True:
-                now = time.monotonic()
-                self._enforce_deadline(now)
-                if now >= next_cancel_poll:
-                    self._check_cancel(now)
-                    next_cancel_poll = now + CANCEL_POLL_SECONDS
-                wake = min(self._next_deadline(), next_cancel_poll)
-                wait_ms = max(0, int((wake - now) * 1000) + 1)
-                if pidfd is None:
-                    wait_ms = min(wait_ms, 20)
-                exited = False
-                for fd, _events in poller.poll(wait_ms):
-                    if fd == pidfd:
-                        exited = True
-                    elif not self._read(fd):
+        while True:
+            now = time.monotonic()
+            self._enforce_deadline(now)
+            if self.killed_at is not None and now >= self.killed_at + GRACE_SECONDS:
+                # SIGKILL was sent a grace period ago and no end was reported (a zygote that
+                # stopped answering): stop waiting, the status stays unknown.
+                break
+            if now >= next_cancel_poll:
+                self._check_cancel(now)
+                next_cancel_poll = now + CANCEL_POLL_SECONDS
+            wake = min(self._next_deadline(), next_cancel_poll)
+            wait_ms = max(0, int((wake - now) * 1000) + 1)
+            if exit_fd is None:
+                wait_ms = min(wait_ms, 20)
+            exited = False
+            for fd, _events in poller.poll(wait_ms):
+                if fd == exit_fd:
+                    exited = self.child.poll_exit()
+                    if exited:
                         poller.unregister(fd)
-                        open_fds.discard(fd)
-                if pidfd is None:
-                    exited = self.reap(os.WNOHANG)
-                if exited or self.result_complete:
-                    break
-            # Kill what is left of the group (grandchildren, or the child that is about to exit
-            # after its result) while the leader, alive or zombie, still holds the group id; then
-            # take what was written before.
-            self._killpg(signal.SIGKILL)
-            for fd in open_fds:
-                while self._read(fd):
-                    pass
-            if exited and self.wait_status is None:
-                self.reap(0)
-        finally:
-            if pidfd is not None:
-                os.close(pidfd)
+                elif not self._read(fd):
+                    poller.unregister(fd)
+                    open_fds.discard(fd)
+            if exit_fd is None:
+                exited = self.child.poll_exit()
+            if exited or self.result_complete:
+                break
+        # Kill what is left of the group (grandchildren, or the child that is about to exit
+        # after its result) while the leader, alive or zombie, still holds the group id; then
+        # take what was written before.
+        self.child.kill_group(signal.SIGKILL)
+        for fd in open_fds:
+            while self._read(fd):
+                pass
+        if exited and not self.child.ended:
+            self.child.reap(block=True)
 
     def _next_deadline(self) -> float:
+        if self.killed_at is not None:
+            return self.killed_at + GRACE_SECONDS
         if self.term_at is not None:
             return self.term_at + GRACE_SECONDS
         if self.cancel_seen_at is not None and self.spec.cancellable:
@@ -448,13 +609,13 @@ class _Watch:
                 self.cancelled = True
                 # A cancelled call had its grace period already: no SIGTERM round.
                 self.term_at = now - GRACE_SECONDS
-                self._killpg(signal.SIGKILL)
+                self._kill()
             elif now >= self.deadline and self.kill_reason is None:
                 self.timed_out = True
                 self.term_at = now
-                self._killpg(signal.SIGTERM)
-        elif now >= self.term_at + GRACE_SECONDS:
-            self._killpg(signal.SIGKILL)
+                self.child.kill_group(signal.SIGTERM)
+        elif now >= self.term_at + GRACE_SECONDS and self.killed_at is None:
+            self._kill()
 
     def _check_cancel(self, now: float) -> None:
         if self.cancel_seen_at is not None:
@@ -516,26 +677,11 @@ class _Watch:
 
     def _stop(self, error_type: str, message: str) -> None:
         self.kill_reason = (error_type, message)
-        self._killpg(signal.SIGKILL)
+        self._kill()
 
-    def _killpg(self, signum: int) -> None:
-        try:
-            os.killpg(self.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def reap(self, flags: int) -> bool:
-        """waitpid with flags; True once the child's status is known (or lost to another reaper)."""
-        try:
-            pid, status = os.waitpid(self.pid, flags)
-        except ChildProcessError:
-            # Reaped elsewhere (a SIGCHLD handler): the status is lost.
-            self.wait_status = -1
-            return True
-        if pid == 0:
-            return False
-        self.wait_status = status
-        return True
+    def _kill(self) -> None:
+        self.killed_at = time.monotonic()
+        self.child.kill_group(signal.SIGKILL)
 
     def outcome(self, planned_layers: list[str]) -> HandlerOutcome:
         """How the call ended, with the captured output."""
@@ -606,7 +752,9 @@ class _Watch:
         )
 
     def _death_message(self) -> str:
-        status = self.wait_status
+        status = self.child.wait_status
+        if self.child.end_detail is not None:
+            return f"child ended without a result ({self.child.end_detail})"
         if status is None or status < 0:
             return "child ended without a result (exit status unavailable)"
         if os.WIFSIGNALED(status):

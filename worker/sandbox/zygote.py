@@ -1,0 +1,663 @@
+"""The worker's side of the sandbox zygote: start it, hand calls to its children, notice when it
+is gone.
+
+A zygote (`worker.sandbox.zygote_server`) is a clean `python -I` interpreter with an allow-listed
+environment that imports only the tool modules and forks one sandbox child per call, ahead of
+time (spare children). The worker sends each call straight to a spare; the child's memory holds
+none of the worker's secrets, and no fork happens on the call's path.
+
+One zygote per worker process (each Celery pool child has its own), started by `start_zygote()`
+at `worker_process_init` or lazily by the first isolated call. Calls from several threads run
+concurrently, each in a spare of its own with its own status socket.
+
+A zygote found dead is replaced at the next call; a call that finds it gone on the way runs in a
+direct fork of the worker, with a warning. If it cannot start, or dies again and again, the process
+keeps using direct forks (logged as an error once).
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+from worker.registry import Registry
+from worker.sandbox.zygote_protocol import (
+    MAX_MESSAGE_BYTES,
+    OFFER_FD_COUNT,
+    LoadReply,
+    SpareOffer,
+    ToolLocator,
+    ZygoteInit,
+    ZygoteReady,
+    ZygoteReply,
+    ZygoteRequest,
+)
+from worker.sandbox.zygote_server import BOOTSTRAP
+from worker.tools import ToolSpec
+
+ZYGOTE_ENV = "TOOLCHORD_SANDBOX_ZYGOTE"
+"""Set to 0 (or false/off/no) to run every isolated call in a direct fork of the worker."""
+ENV_ALLOW: tuple[str, ...] = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
+"""The only worker variables the zygote's environment gets."""
+START_SECONDS = 30.0
+"""Longest wait for a new zygote to import its tool modules and report ready."""
+REPLY_SECONDS = 10.0
+"""Longest wait for the zygote to load a tool (import its module) or offer a spare child."""
+SPARES = 2
+"""Spare children kept ready per zygote."""
+REAP_SECONDS = 5.0
+"""Longest wait for the zygote to report a killed child's status."""
+DEATHS_ALLOWED = 3
+DEATH_WINDOW_SECONDS = 60.0
+"""More deaths than DEATHS_ALLOWED within the window disable the zygote for this process."""
+
+_log = logging.getLogger("toolchord.sandbox")
+
+
+class ZygoteToolError(Exception):
+    """The zygote cannot load this tool; its calls use a direct fork of the worker."""
+
+
+class _ZygoteLost(Exception):
+    """The zygote died or stopped answering."""
+
+
+class _Spare:
+    """A child the zygote forked ahead of its call: its pid, call socket and status socket."""
+
+    def __init__(
+        self, pid: int, generation: int, call: socket.socket, status: socket.socket
+    ) -> None:
+        self.pid = pid
+        self.generation = generation
+        self.call = call
+        self.status = status
+
+    def close(self) -> None:
+        """Let the spare go: it exits at end of file on its call socket."""
+        self.call.close()
+        self.status.close()
+
+
+class _Connection:
+    """One running zygote: its process, control socket, spare children and loaded tools."""
+
+    def __init__(
+        self, process: subprocess.Popen[bytes], sock: socket.socket, pid: int
+    ) -> None:
+        self.process = process
+        self.sock = sock
+        self.pid = pid
+        self.loaded: dict[bytes, int] = {}
+        self._spares: deque[_Spare] = deque()
+        self._pending = 0
+        self._spare_lock = threading.Lock()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        # The process first: a thread waiting for a spare offer then sees end of file and lets go
+        # of the spare lock before the sockets are closed under it.
+        if self.process.poll() is None:
+            self.process.kill()
+        with self._spare_lock:
+            self.sock.close()
+            while self._spares:
+                self._spares.popleft().close()
+        try:
+            self.process.wait(REAP_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def abandon(self) -> None:
+        """In a forked child: close the inherited sockets (no locks: other threads are gone)."""
+        self.sock.close()
+        for spare in self._spares:
+            spare.close()
+
+    def describe_end(self) -> str:
+        code = self.process.poll()
+        if code is None:
+            return "still running"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exited with status {code}"
+
+    def send(self, request: ZygoteRequest, fds: tuple[int, ...] = ()) -> None:
+        ancillary = (
+            [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+            if fds
+            else []
+        )
+        try:
+            self.sock.sendmsg([request.model_dump_json().encode()], ancillary)
+        except OSError as exc:
+            raise _ZygoteLost(f"a request could not be sent ({exc})") from exc
+
+    def expect_spares(self, count: int) -> None:
+        self._pending += count
+
+    def load(self, locator: ToolLocator, key: bytes) -> int:
+        """Have the zygote import the tool; the generation of spares that have it."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            try:
+                self.send(ZygoteRequest(load=locator), (theirs.fileno(),))
+            finally:
+                theirs.close()
+            readable, _, _ = select.select([mine], [], [], REPLY_SECONDS)
+            raw = mine.recv(MAX_MESSAGE_BYTES) if readable else b""
+        finally:
+            mine.close()
+        if not raw:
+            raise _ZygoteLost(f"it did not answer a load within {REPLY_SECONDS:g} s")
+        answer = LoadReply.model_validate_json(raw)
+        if answer.generation is None:
+            raise ZygoteToolError(answer.error or "unknown error")
+        self.loaded[key] = answer.generation
+        return answer.generation
+
+    def take_spare(self, generation: int) -> _Spare:
+        """A spare that has the tool's module (asking for more when there is none)."""
+        with self._spare_lock:
+            deadline = time.monotonic() + REPLY_SECONDS
+            while True:
+                while self._spares:
+                    spare = self._spares.popleft()
+                    if spare.generation >= generation:
+                        # Ask for the replacement now: it has until the call after next to
+                        # be forked and warmed up.
+                        self._replenish()
+                        return spare
+                    spare.close()  # forked before the tool's module was imported
+                self._replenish()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise _ZygoteLost(
+                        f"no spare child was offered within {REPLY_SECONDS:g} s"
+                    )
+                self._receive_offer(remaining)
+
+    def _replenish(self) -> None:
+        missing = SPARES - len(self._spares) - self._pending
+        if missing > 0:
+            self.send(ZygoteRequest(spares=missing))
+            self._pending += missing
+
+    def _receive_offer(self, timeout: float) -> None:
+        fds = array.array("i")
+        try:
+            readable, _, _ = select.select([self.sock], [], [], timeout)
+            if not readable:
+                return
+            message, ancillary, _flags, _address = self.sock.recvmsg(
+                MAX_MESSAGE_BYTES, socket.CMSG_SPACE(OFFER_FD_COUNT * fds.itemsize)
+            )
+        except (OSError, ValueError) as exc:
+            raise _ZygoteLost(f"its control socket failed ({exc})") from exc
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        if not message:
+            raise _ZygoteLost("it closed its control socket")
+        if len(fds) != OFFER_FD_COUNT:
+            for fd in fds:
+                os.close(fd)
+            raise _ZygoteLost("it sent a malformed spare offer")
+        offer = SpareOffer.model_validate_json(message)
+        self._pending = max(0, self._pending - 1)
+        self._spares.append(
+            _Spare(
+                offer.pid,
+                offer.generation,
+                socket.socket(fileno=fds[0]),
+                socket.socket(fileno=fds[1]),
+            )
+        )
+
+
+class ZygoteCall:
+    """The worker's side of one call running in a zygote child.
+
+    The child is not the worker's child: its exit and wait status arrive on the call's status
+    socket, after the zygote has killed what was left of the child's process group.
+    """
+
+    def __init__(
+        self,
+        client: ZygoteClient,
+        connection: _Connection,
+        sock: socket.socket,
+        pid: int,
+    ) -> None:
+        self._client = client
+        self._connection = connection
+        self._sock = sock
+        self.pid = pid
+        self.wait_status: int | None = None
+        self.end_detail: str | None = None
+        sock.setblocking(False)
+
+    @property
+    def exit_fd(self) -> int:
+        """Readable when the zygote reports the child's end (or the zygote is gone)."""
+        return self._sock.fileno()
+
+    @property
+    def ended(self) -> bool:
+        return self.wait_status is not None or self.end_detail is not None
+
+    def poll_exit(self) -> bool:
+        """Take the zygote's report if there is one; True once the child's end is known."""
+        if self.ended:
+            return True
+        try:
+            data = self._sock.recv(MAX_MESSAGE_BYTES)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            data = b""
+            self.end_detail = f"the call's zygote socket failed: {exc}"
+        if not data:
+            self.end_detail = self.end_detail or (
+                "the sandbox zygote ended during the call; the child was killed with it"
+            )
+            self._client.lost(self._connection, "it ended during a call")
+            return True
+        try:
+            self.wait_status = ZygoteReply.model_validate_json(data).status
+        except ValueError:
+            self.end_detail = "the sandbox zygote sent an unreadable report"
+        return True
+
+    def reap(self, block: bool) -> bool:
+        """Wait (when `block`, for at most REAP_SECONDS) for the child's end; True once known."""
+        if self.poll_exit() or not block:
+            return self.ended
+        readable, _, _ = select.select([self._sock], [], [], REAP_SECONDS)
+        if not (readable and self.poll_exit()):
+            self.end_detail = f"the sandbox zygote did not report the child's end within {REAP_SECONDS:g} s"
+        return True
+
+    def kill_group(self, signum: int) -> None:
+        """Signal the child's process group, unless the zygote already reaped the child (and
+        killed the group): its id may no longer be the child's."""
+        if self.ended:
+            return
+        try:
+            os.killpg(self.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def release(self) -> None:
+        """The call is over: the zygote reaps the child on its own."""
+        self._sock.close()
+
+
+class ZygoteClient:
+    """Starts and restarts the zygote of this process and hands calls to its spares. Thread-safe."""
+
+    def __init__(self, modules: Iterable[str] = ()) -> None:
+        self._lock = threading.Lock()
+        self._owner_pid = os.getpid()
+        self._modules: set[str] = set(modules) | set(_configured_modules())
+        self._connection: _Connection | None = None
+        self._deaths: list[float] = []
+        self._disabled: str | None = None
+        # The zygote's parent-death signal fires when the *thread* that started it ends, so it is
+        # started from a thread that lives as long as this process.
+        self._starter = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="toolchord-zygote"
+        )
+
+    @property
+    def pid(self) -> int | None:
+        """The running zygote's pid, if there is one."""
+        connection = self._connection
+        return connection.pid if connection is not None and connection.alive() else None
+
+    def owned_here(self) -> bool:
+        """False in a process forked from the one that made this client."""
+        return self._owner_pid == os.getpid()
+
+    def ensure_started(self) -> bool:
+        """Start the zygote unless it runs; False when this process uses direct forks instead."""
+        return self._running() is not None
+
+    def add_modules(self, modules: Iterable[str]) -> None:
+        """Tool modules to import in zygotes started from now on."""
+        with self._lock:
+            self._modules.update(modules)
+
+    def submit(
+        self, locator: ToolLocator, payload: bytes, child_fds: tuple[int, int, int]
+    ) -> ZygoteCall | None:
+        """Hand one call to a spare child of the zygote.
+
+        Returns the running call, or None when the zygote is unavailable or was lost before the
+        call reached a child (the caller then forks the worker directly). Raises ZygoteToolError
+        when the zygote cannot load the tool.
+        """
+        connection = self._running()
+        if connection is None:
+            return None
+        key = locator.model_dump_json().encode()
+        try:
+            generation = connection.loaded.get(key)
+            if generation is None:
+                generation = connection.load(locator, key)
+            spare = connection.take_spare(generation)
+        except _ZygoteLost as exc:
+            self.lost(connection, str(exc))
+            return None
+        memfd = os.memfd_create("toolchord-call", os.MFD_CLOEXEC)
+        try:
+            _write_all(memfd, payload)
+            spare.call.sendmsg(
+                [key],
+                [
+                    (
+                        socket.SOL_SOCKET,
+                        socket.SCM_RIGHTS,
+                        array.array("i", [*child_fds, memfd]),
+                    )
+                ],
+            )
+        except OSError as exc:
+            spare.close()
+            if not connection.alive():
+                self.lost(connection, "it ended before a call reached its child")
+            else:
+                _log.warning(
+                    "sandbox zygote spare child %d could not take a call (%s); this call runs in a direct fork of the worker",
+                    spare.pid,
+                    exc,
+                )
+            return None
+        finally:
+            os.close(memfd)
+            spare.call.close()
+        return ZygoteCall(self, connection, spare.status, spare.pid)
+
+    def lost(self, connection: _Connection, reason: str) -> None:
+        """Forget a zygote that died or stopped answering; the next call starts a new one."""
+        with self._lock:
+            if self._connection is not connection:
+                return  # already handled by another thread
+            self._connection = None
+            self._deaths.append(time.monotonic())
+        connection.kill()
+        _log.warning(
+            "sandbox zygote (pid %d) lost: %s (%s); it is restarted on the next call, and this "
+            "call runs in a direct fork of the worker",
+            connection.pid,
+            reason,
+            connection.describe_end(),
+        )
+
+    def stop(self) -> None:
+        """Stop the zygote (it is started again on the next call)."""
+        with self._lock:
+            connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.kill()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop the parent's zygote without touching it."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.abandon()
+
+    def _running(self) -> _Connection | None:
+        with self._lock:
+            connection = self._connection
+            if connection is not None and not connection.alive():
+                self._connection = None
+                self._deaths.append(time.monotonic())
+                _log.warning(
+                    "sandbox zygote (pid %d) %s; starting a new one",
+                    connection.pid,
+                    connection.describe_end(),
+                )
+                connection.kill()
+                connection = None
+            if connection is not None or self._disabled is not None:
+                return connection
+            now = time.monotonic()
+            self._deaths = [t for t in self._deaths if now - t < DEATH_WINDOW_SECONDS]
+            if len(self._deaths) > DEATHS_ALLOWED:
+                self._disable(
+                    f"it died {len(self._deaths)} times within {DEATH_WINDOW_SECONDS:g} s"
+                )
+                return None
+            try:
+                connection = self._starter.submit(self._start).result()
+            except (OSError, ValueError, RuntimeError) as exc:
+                self._disable(f"it could not start: {type(exc).__name__}: {exc}")
+                return None
+            self._connection = connection
+            return connection
+
+    def _disable(self, reason: str) -> None:
+        self._disabled = reason
+        _log.error(
+            "sandbox zygote disabled in this worker process (%s): every isolated call now runs "
+            "in a direct fork of the worker, whose memory holds the worker's secrets",
+            reason,
+        )
+
+    def _start(self) -> _Connection:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-I", "-c", BOOTSTRAP, str(theirs.fileno())],
+                env={
+                    name: os.environ[name] for name in ENV_ALLOW if name in os.environ
+                },
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+                close_fds=True,
+                # Not in the worker's process group: a Ctrl-C meant for the worker's warm shutdown
+                # must not kill calls that are still running.
+                start_new_session=True,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        cwd = os.getcwd()
+        init = ZygoteInit(
+            sys_path=[os.path.abspath(p) if p else cwd for p in sys.path],
+            parent_pid=os.getpid(),
+            modules=sorted(self._modules),
+            spares=SPARES,
+        )
+        connection = _Connection(process, ours, process.pid)
+        try:
+            ours.settimeout(START_SECONDS)
+            ours.send(init.model_dump_json().encode())
+            raw = ours.recv(MAX_MESSAGE_BYTES)
+            if not raw:
+                process.wait(REAP_SECONDS)
+                raise RuntimeError(
+                    f"the zygote {connection.describe_end()} while starting"
+                )
+            ready = ZygoteReady.model_validate_json(raw)
+            # Sends block when the zygote's queue is full; a wedged zygote must not hang the worker.
+            ours.settimeout(REPLY_SECONDS)
+        except BaseException:
+            connection.kill()
+            raise
+        connection.expect_spares(SPARES)
+        for module, error in ready.failed_modules.items():
+            _log.warning(
+                "tool module %s cannot be imported in the sandbox zygote (%s); its tools run in "
+                "a direct fork of the worker",
+                module,
+                error,
+            )
+        _log.info("sandbox zygote started (pid %d)", ready.pid)
+        return connection
+
+
+def _configured_modules() -> list[str]:
+    raw = os.environ.get("TOOLCHORD_TOOL_MODULES", "")
+    return [name.strip() for name in raw.split(",") if name.strip()]
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def locate(spec: ToolSpec) -> ToolLocator | None:
+    """Where the zygote can find this tool by importing its module, or None (direct fork).
+
+    The tool must be a module-level ToolSpec, or belong to a module-level Registry, of a module
+    importable by name (not `__main__`, not defined inside a function), and share the handler,
+    argument model and exception policy with `spec`; the sandbox profile and timeout travel
+    with each call, so `spec.model_copy(update={"sandbox": ...})` variants qualify.
+    """
+    cached = _locations.get(id(spec))
+    if cached is not None and cached[0] is spec:
+        return cached[1]
+    location = _find(spec)
+    with _locations_lock:
+        if len(_locations) >= LOCATIONS_KEPT:
+            # Specs made per call (model_copy variants) must not accumulate.
+            _locations.clear()
+        _locations[id(spec)] = (spec, location)
+    return location
+
+
+LOCATIONS_KEPT = 1024
+_locations: dict[int, tuple[ToolSpec, ToolLocator | None]] = {}
+_locations_lock = threading.Lock()
+
+
+def _find(spec: ToolSpec) -> ToolLocator | None:
+    module_name = getattr(spec.handler, "__module__", None)
+    if not module_name or module_name == "__main__":
+        return None
+    module = sys.modules.get(module_name)
+    if module is None or getattr(module, "__spec__", None) is None:
+        return None
+    members = list(vars(module).items())
+    for attribute, value in members:
+        if isinstance(value, ToolSpec) and _same_tool(value, spec):
+            return ToolLocator(module=module_name, attribute=attribute)
+    for attribute, value in members:
+        if isinstance(value, Registry):
+            for candidate in value:
+                if _same_tool(candidate, spec):
+                    return ToolLocator(
+                        module=module_name,
+                        attribute=attribute,
+                        registry_tool=candidate.name,
+                    )
+    return None
+
+
+def _same_tool(found: ToolSpec, spec: ToolSpec) -> bool:
+    return (
+        found.handler is spec.handler
+        and found.args_model is spec.args_model
+        and found.unpack_args == spec.unpack_args
+        and found.context_param == spec.context_param
+        and found.transient == spec.transient
+    )
+
+
+_client: ZygoteClient | None = None
+_client_lock = threading.Lock()
+_enabled: bool | None = None
+
+
+def zygote_enabled() -> bool:
+    """Whether isolated calls go through the zygote (TOOLCHORD_SANDBOX_ZYGOTE, default on)."""
+    if _enabled is not None:
+        return _enabled
+    return os.environ.get(ZYGOTE_ENV, "1").strip().lower() not in (
+        "0",
+        "false",
+        "off",
+        "no",
+    )
+
+
+def set_zygote_enabled(enabled: bool | None) -> None:
+    """Force the zygote on or off in this process (None: follow TOOLCHORD_SANDBOX_ZYGOTE)."""
+    global _enabled
+    _enabled = enabled
+
+
+def zygote_client() -> ZygoteClient:
+    """This process's zygote client (a forked process gets a fresh one)."""
+    global _client
+    with _client_lock:
+        if _client is None or not _client.owned_here():
+            _client = ZygoteClient()
+        return _client
+
+
+def start_zygote(modules: Iterable[str] = (), *, wait: bool = True) -> int | None:
+    """Start this process's zygote now, importing `modules` and TOOLCHORD_TOOL_MODULES.
+
+    Call it at Celery's `worker_process_init` so the first call does not pay the start (a few
+    hundred milliseconds, more with heavy tool modules). With `wait=False` it starts in the
+    background and returns None at once (calls made meanwhile wait for it): a pool child must
+    report to Celery within `worker_proc_alive_timeout`. Otherwise returns the zygote's pid, or
+    None when it is disabled or could not start (calls then use direct forks; the reason is
+    logged).
+    """
+    if not zygote_enabled():
+        return None
+    client = zygote_client()
+    client.add_modules(modules)
+    if not wait:
+        threading.Thread(
+            target=client.ensure_started, name="toolchord-zygote-start", daemon=True
+        ).start()
+        return None
+    return client.pid if client.ensure_started() else None
+
+
+def stop_zygote() -> None:
+    """Stop this process's zygote, if any; the next isolated call starts a new one."""
+    if _client is not None and _client.owned_here():
+        _client.stop()
+
+
+def zygote_pid() -> int | None:
+    """The pid of this process's running zygote, or None."""
+    if _client is None or not _client.owned_here():
+        return None
+    return _client.pid
+
+
+def _after_fork_in_child() -> None:
+    # A forked process must not keep the parent's control socket open: the parent's zygote would
+    # then not see end of file when the parent dies.
+    if _client is not None:
+        _client.forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,107 @@
+"""Messages between the worker, its sandbox zygote and the zygote's children (JSON, never pickle).
+
+All sockets are SOCK_SEQPACKET pairs, so every message arrives whole.
+
+- Control socket: the worker sends `ZygoteInit` once and the zygote answers `ZygoteReady`. Then the
+  worker sends `ZygoteRequest`s: fork spare children, or load a tool (with a reply socket as
+  SCM_RIGHTS, answered by a `LoadReply`). For each spare the zygote sends a `SpareOffer` carrying
+  two descriptors: the spare's call socket and its status socket.
+- Call socket (worker -> spare): the tool's `ToolLocator`, with the child ends of the output,
+  result and cancel pipes and a memfd holding the `CallPayload`. The payload (arguments, context,
+  the allowed environment values) is only ever read by the child that runs the call, so no call's
+  data sits in the zygote's memory where a later child could find it.
+- Status socket (zygote -> worker): `ZygoteReply(status=...)` once the zygote has killed what was
+  left of the child's process group and reaped the child.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from worker.context import ToolContext
+from worker.sandbox.profile import SandboxProfile
+
+CALL_FD_COUNT = 4
+"""Descriptors sent with each call: output, result and cancel pipes, payload memfd."""
+OFFER_FD_COUNT = 2
+"""Descriptors sent with each spare: its call socket and its status socket."""
+MAX_MESSAGE_BYTES = 1 << 20
+
+
+class ZygoteInit(BaseModel):
+    """What a fresh zygote needs before it can serve calls."""
+
+    sys_path: list[str] = Field(description="The worker's import path (absolute).")
+    parent_pid: int = Field(
+        description="The worker process; the zygote exits if it is gone."
+    )
+    modules: list[str] = Field(
+        description="Tool modules to import before the first call."
+    )
+    spares: int = Field(
+        description="Spare children to fork and offer right after start."
+    )
+
+
+class ZygoteReady(BaseModel):
+    """The zygote's answer to `ZygoteInit`."""
+
+    pid: int
+    failed_modules: dict[str, str] = Field(
+        default_factory=dict, description="Module name -> why it could not be imported."
+    )
+
+
+class ToolLocator(BaseModel):
+    """Where the zygote finds a tool: a module-level ToolSpec, or a tool of a module-level Registry."""
+
+    module: str
+    attribute: str
+    registry_tool: str | None = None
+
+
+class ZygoteRequest(BaseModel):
+    """From the worker: fork `spares` more spare children, and/or load a tool (reply socket attached)."""
+
+    spares: int = 0
+    load: ToolLocator | None = None
+
+
+class SpareOffer(BaseModel):
+    """A spare child waiting for its call; `generation` tells which loads it has seen."""
+
+    pid: int
+    generation: int
+
+
+class LoadReply(BaseModel):
+    """The zygote loaded the tool (spares of at least `generation` have it), or why not."""
+
+    generation: int | None = None
+    error: str | None = None
+
+
+class CallPayload(BaseModel):
+    """One call, as the worker prepared it; read by the forked child only."""
+
+    args_json: str
+    context: ToolContext
+    profile: SandboxProfile
+    timeout: float
+    workdir: str
+    environment: dict[str, str] = Field(
+        description="The worker's values of the profile's env_allow variables."
+    )
+    drop_uid: bool
+    netns: bool
+    landlock_abi: int
+    write_paths: tuple[str, ...]
+    seccomp_program: str | None = Field(
+        default=None, description="Prebuilt BPF program, hex; None: no seccomp layer."
+    )
+
+
+class ZygoteReply(BaseModel):
+    """The zygote's report on a child that ended: its wait status."""
+
+    status: int

@@ -1,0 +1,387 @@
+"""The zygote: a clean interpreter that forks one sandbox child per tool call.
+
+The worker starts it as `python -I` with only an allow-listed environment and no inherited
+descriptors but its control socket (`worker.sandbox.zygote`). It imports the trusted tool modules
+and toolchord's child code, nothing else of the worker: the broker URL, API keys and everything
+else the worker holds in memory or in its environment never exist in this process, so a forked
+child cannot read them from its copy of the heap.
+
+It forks *spare* children ahead of their calls and offers them to the worker, which sends each call
+straight to a spare: forking and the child's first touches of the memory it shares copy-on-write
+with the zygote cost milliseconds, paid while no call waits. One thread, one selector loop:
+requests and child exits (pidfds) are handled as they come; the worker keeps several spares, so
+concurrent calls from several worker threads run side by side. The zygote dies with the worker
+(parent-death signal, and end of file on the control socket), and its children die with it
+(parent-death signal from their start, set again after their uid change, which clears it).
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import gc
+import importlib
+import os
+import select
+import selectors
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NoReturn
+
+from worker.context import ToolContext
+from worker.registry import Registry
+from worker.sandbox.child import SETUP_FAILED_STATUS, ChildPlan, child_main, rehearse
+from worker.sandbox.import_paths import ImportRoot, private_import_roots
+from worker.sandbox.profile import SandboxProfile
+from worker.sandbox.read_paths import code_read_paths
+from worker.sandbox.syscalls import PR_SET_PDEATHSIG, prctl
+from worker.sandbox.zygote_protocol import (
+    CALL_FD_COUNT,
+    MAX_MESSAGE_BYTES,
+    CallPayload,
+    LoadReply,
+    SpareOffer,
+    ToolLocator,
+    ZygoteInit,
+    ZygoteReady,
+    ZygoteReply,
+    ZygoteRequest,
+)
+from worker.tools import ToolSpec, tool
+
+BOOTSTRAP = """\
+import json, socket, sys
+sock = socket.socket(fileno=int(sys.argv[1]))
+init = sock.recv(1 << 20)
+sys.path[:] = json.loads(init)["sys_path"]
+from worker.sandbox.zygote_server import serve
+serve(sock, init)
+"""
+"""What `python -I -c` runs: the import path comes from the worker before anything is imported."""
+
+
+@dataclass
+class _Child:
+    """A forked child (spare or running a call) and the socket its end is reported on."""
+
+    pid: int
+    pidfd: int
+    status: socket.socket
+
+
+def serve(sock: socket.socket, raw_init: bytes) -> NoReturn:
+    """Run the zygote on its control socket until the worker goes away; never returns."""
+    init = ZygoteInit.model_validate_json(raw_init)
+    # The worker started this process from a thread that lives as long as the worker process.
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != init.parent_pid:
+        os._exit(0)
+    failed: dict[str, str] = {}
+    for name in init.modules:
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # noqa: BLE001 - a broken tool module must not stop the zygote
+            failed[name] = f"{type(exc).__name__}: {exc}"
+    # Objects that exist now are never collected: children then do not touch (and copy) them.
+    gc.freeze()
+    zygote = _Zygote(sock)
+    sock.send(
+        ZygoteReady(pid=os.getpid(), failed_modules=failed).model_dump_json().encode()
+    )
+    zygote.fork_spares(init.spares)
+    zygote.loop()
+
+
+class _Zygote:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(sock, selectors.EVENT_READ, None)
+        self.children: dict[int, _Child] = {}
+        self.specs: dict[bytes, ToolSpec] = {}
+
+    def loop(self) -> NoReturn:
+        while True:
+            for key, _events in self.selector.select():
+                if key.data is None:
+                    self._receive()
+                else:
+                    self._finish(key.data)
+
+    def _receive(self) -> None:
+        fds = array.array("i")
+        message, ancillary, _flags, _address = self.sock.recvmsg(
+            MAX_MESSAGE_BYTES, socket.CMSG_SPACE(fds.itemsize)
+        )
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        if not message and not fds:
+            self._shut_down()
+        reply = socket.socket(fileno=fds[0]) if fds else None
+        try:
+            request = ZygoteRequest.model_validate_json(message)
+            if request.load is not None and reply is not None:
+                self._load(request.load, reply)
+            self.fork_spares(request.spares)
+        finally:
+            if reply is not None:
+                reply.close()
+
+    def _load(self, locator: ToolLocator, reply: socket.socket) -> None:
+        try:
+            self.resolve(locator.model_dump_json().encode())
+        except BaseException as exc:  # noqa: BLE001 - reported; the worker uses its own fork
+            answer = LoadReply(error=f"{type(exc).__name__}: {exc}")
+        else:
+            answer = LoadReply(generation=len(sys.modules))
+        _send(reply, answer.model_dump_json().encode())
+
+    def resolve(self, key: bytes) -> ToolSpec:
+        """The tool a locator (as JSON) names, importing its module on first use."""
+        spec = self.specs.get(key)
+        if spec is None:
+            locator = ToolLocator.model_validate_json(key)
+            value = getattr(importlib.import_module(locator.module), locator.attribute)
+            if locator.registry_tool is not None:
+                if not isinstance(value, Registry):
+                    raise TypeError(
+                        f"{locator.module}.{locator.attribute} is not a Registry"
+                    )
+                value = value[locator.registry_tool]
+            if not isinstance(value, ToolSpec):
+                raise TypeError(
+                    f"{locator.module}.{locator.attribute} is not a ToolSpec"
+                )
+            spec = self.specs[key] = value
+        return spec
+
+    def fork_spares(self, count: int) -> None:
+        """Fork children for the next calls and offer them to the worker."""
+        for _ in range(count):
+            try:
+                self._fork_spare()
+            except OSError:
+                return  # out of processes or descriptors: the worker falls back when it waits in vain
+
+    def _fork_spare(self) -> None:
+        call_ours, call_theirs = socket.socketpair(
+            socket.AF_UNIX, socket.SOCK_SEQPACKET
+        )
+        status_ours, status_theirs = socket.socketpair(
+            socket.AF_UNIX, socket.SOCK_SEQPACKET
+        )
+        read_paths = code_read_paths()
+        roots = private_import_roots()
+        zygote_pid = os.getpid()
+        generation = len(sys.modules)
+        try:
+            pid = os.fork()
+            if pid == 0:
+                # The worker's ends must not stay open here: the spare waits for end of file on
+                # its call socket when the worker lets it go.
+                for sock in (call_ours, status_ours, status_theirs):
+                    sock.close()
+                _spare_main(call_theirs, self.resolve, read_paths, roots, zygote_pid)
+            call_theirs.close()
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:
+                # A child that cannot be watched must not run.
+                _kill_group(pid)
+                os.waitpid(pid, 0)
+                raise
+            child = _Child(pid, pidfd, status_ours)
+            self.children[pid] = child
+            self.selector.register(pidfd, selectors.EVENT_READ, child)
+            offer = (
+                SpareOffer(pid=pid, generation=generation).model_dump_json().encode()
+            )
+            fds = array.array("i", [call_ours.fileno(), status_theirs.fileno()])
+            self.sock.sendmsg([offer], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        except OSError:
+            status_ours.close()
+            raise
+        finally:
+            call_ours.close()
+            status_theirs.close()
+            call_theirs.close()
+
+    def _finish(self, child: _Child) -> None:
+        """A child exited: kill what is left of its group while the zombie still holds the group
+        id, reap it and report its status."""
+        self.selector.unregister(child.pidfd)
+        os.close(child.pidfd)
+        del self.children[child.pid]
+        _kill_group(child.pid)
+        _, wait_status = os.waitpid(child.pid, 0)
+        _send(child.status, ZygoteReply(status=wait_status).model_dump_json().encode())
+        child.status.close()
+
+    def _shut_down(self) -> NoReturn:
+        """The worker closed the control socket (or died): nothing may outlive it."""
+        for pid in self.children:
+            _kill_group(pid)
+        os._exit(0)
+
+
+def _spare_main(
+    sock: socket.socket,
+    resolve: Callable[[bytes], ToolSpec],
+    read_paths: tuple[str, ...],
+    roots: tuple[ImportRoot, ...],
+    zygote_pid: int,
+) -> NoReturn:
+    """In a spare child: warm up, wait for the call from the worker, then run it like a direct
+    child. Never returns."""
+    try:
+        # A group of its own from the start, so that group kills reach it in any state.
+        os.setpgid(0, 0)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != zygote_pid:
+            os._exit(0)
+        _rehearse_until_called(sock, read_paths, roots, zygote_pid)
+        fds = array.array("i")
+        message, ancillary, _flags, _address = sock.recvmsg(
+            MAX_MESSAGE_BYTES, socket.CMSG_SPACE(CALL_FD_COUNT * fds.itemsize)
+        )
+        if not message:
+            os._exit(0)  # the worker let this spare go (it lacked a tool loaded since)
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        output_fd, result_fd, control_fd, payload_fd = fds
+        payload = CallPayload.model_validate_json(
+            os.pread(payload_fd, os.fstat(payload_fd).st_size, 0)
+        )
+        plan = _plan(
+            resolve(message),
+            payload,
+            (output_fd, result_fd, control_fd),
+            read_paths,
+            roots,
+            zygote_pid,
+        )
+    except BaseException:  # noqa: BLE001 - nothing may unwind into the zygote's loop
+        os._exit(SETUP_FAILED_STATUS)
+    child_main(plan)
+
+
+class _CallArrived(BaseException):
+    """Raised by the SIGIO handler to cut a rehearsal short (BaseException: call_handler, which
+    the rehearsal runs, turns every Exception into an outcome)."""
+
+
+def _rehearse_until_called(
+    sock: socket.socket,
+    read_paths: tuple[str, ...],
+    roots: tuple[ImportRoot, ...],
+    zygote_pid: int,
+) -> None:
+    """Rehearse a call while none is there; the call's arrival (SIGIO on the call socket) stops
+    the rehearsal at once, so a call never waits for it. Whatever it left half done, the real
+    call sets up again."""
+    armed = [True]
+
+    def on_sigio(_signum: int, _frame: object) -> None:
+        if armed[0]:
+            raise _CallArrived
+
+    fd = sock.fileno()
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    signal.signal(signal.SIGIO, on_sigio)
+    fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_ASYNC)
+    try:
+        if not select.select([sock], [], [], 0)[0]:
+            sample = CallPayload.model_validate_json(_SAMPLE_PAYLOAD)
+            rehearse(
+                _plan(
+                    _REHEARSAL_TOOL, sample, (-1, -1, -1), read_paths, roots, zygote_pid
+                )
+            )
+        armed[0] = False
+    except _CallArrived:
+        armed[0] = False
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    signal.signal(signal.SIGIO, signal.SIG_DFL)
+
+
+def _plan(
+    spec: ToolSpec,
+    payload: CallPayload,
+    fds: tuple[int, int, int],
+    read_paths: tuple[str, ...],
+    roots: tuple[ImportRoot, ...],
+    zygote_pid: int,
+) -> ChildPlan:
+    output_fd, result_fd, control_fd = fds
+    return ChildPlan(
+        spec=spec.model_copy(
+            update={"sandbox": payload.profile, "timeout": payload.timeout}
+        ),
+        args=payload.args_json,
+        context=payload.context,
+        timeout=payload.timeout,
+        workdir=payload.workdir,
+        output_fd=output_fd,
+        result_fd=result_fd,
+        control_fd=control_fd,
+        parent_pid=zygote_pid,
+        drop_uid=payload.drop_uid,
+        netns=payload.netns,
+        landlock_abi=payload.landlock_abi,
+        read_paths=(*read_paths, *payload.profile.read_paths),
+        write_paths=payload.write_paths,
+        seccomp_program=bytes.fromhex(payload.seccomp_program)
+        if payload.seccomp_program
+        else None,
+        import_roots=roots if payload.drop_uid else (),
+        required=payload.profile.required,
+        environment=payload.environment,
+        # Already a group leader, in the zygote's session, which has no controlling terminal.
+        new_session=False,
+    )
+
+
+def _echo(text: str, ctx: ToolContext) -> str:
+    """Return the text: the call spare children rehearse."""
+    return text
+
+
+_REHEARSAL_TOOL = tool(_echo, name="toolchord_rehearsal", side_effect="read")
+_SAMPLE_PAYLOAD = CallPayload(
+    args_json='{"text": "rehearsal"}',
+    context=ToolContext(
+        call_id="rehearsal",
+        session_id="rehearsal",
+        tool_name="toolchord_rehearsal",
+        idempotency_key="rehearsal",
+        deadline=0.0,
+    ),
+    profile=SandboxProfile(),
+    timeout=1.0,
+    workdir="/",
+    environment={"PATH": "/usr/bin"},
+    drop_uid=False,
+    netns=False,
+    landlock_abi=0,
+    write_paths=("/dev/null",),
+).model_dump_json()
+
+
+def _send(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.send(data, socket.MSG_DONTWAIT)
+    except OSError:
+        pass  # the worker gave up on this call or spare, or is gone
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
