@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import gc
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -82,6 +83,8 @@ class LoadReport(BaseModel):
     loop_lag_ms: dict[str, float]
     sync_ms_per_turn: dict[str, float]
     redis_clients_orchestrator: int
+    cpu_seconds: dict[str, float]
+    killed_at_s: float | None
     ledger: LedgerReport
     completed: bool
 
@@ -206,7 +209,20 @@ async def _wait_for_waiting(admin: redis.Redis, expected: int, timeout: float) -
     return count
 
 
-async def _drive(config: LoadConfig, orch: _TimedOrchestrator, admin: redis.Redis,
+def _cpu_now(server: RedisProcess, workers: list[WorkerProcess]) -> dict[str, float]:
+    """CPU seconds so far: this (orchestrator) process, the workers' process groups, redis-server.
+
+    A worker killed mid-run takes its CPU time with it; its restarted process counts from zero.
+    """
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "orchestrator": usage.ru_utime + usage.ru_stime,
+        "workers": sum(w.cpu_seconds() for w in workers),
+        "redis": server.cpu_seconds(),
+    }
+
+
+async def _drive(config: LoadConfig, orch: _TimedOrchestrator, admin: redis.Redis, server: RedisProcess,
                  workers: list[WorkerProcess]) -> dict[str, Any]:
     plan = _Plan(config, run_id=f"r{time.time_ns()}")
     latencies: list[float] = []
@@ -243,21 +259,26 @@ async def _drive(config: LoadConfig, orch: _TimedOrchestrator, admin: redis.Redi
     # Throughput counts from the moment the workers consume (turn 1 of every session is queued).
     began = time.perf_counter()
 
+    killed_at: list[float] = []
+
     async def chaos() -> None:
         # Kill in the middle of the run: half of the turns are done.
         while done_turns < total_turns // 2:
             await asyncio.sleep(0.05)
+        killed_at.append(time.perf_counter() - began)
         await asyncio.to_thread(workers[0].kill)
         await asyncio.sleep(1.0)
         await asyncio.to_thread(workers[0].start)
 
     chaos_task = asyncio.create_task(chaos()) if config.kill else None
+    cpu_before = _cpu_now(server, workers)
     completed = True
     try:
         await asyncio.wait_for(asyncio.gather(warm, *tasks), config.max_seconds)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         completed = False
     seconds = time.perf_counter() - began
+    cpu_after = _cpu_now(server, workers)
     if chaos_task is not None:
         chaos_task.cancel()
         await asyncio.gather(chaos_task, return_exceptions=True)
@@ -273,6 +294,8 @@ async def _drive(config: LoadConfig, orch: _TimedOrchestrator, admin: redis.Redi
         "lag": probe.samples,
         "clients": clients,
         "completed": completed,
+        "cpu": {k: round(cpu_after[k] - cpu_before[k], 1) for k in cpu_after},
+        "killed_at": round(killed_at[0], 1) if killed_at else None,
     }
 
 
@@ -300,7 +323,7 @@ def run_scenario(config: LoadConfig, workdir: Path | None = None) -> LoadReport:
         orch = _TimedOrchestrator(registry, create_app(settings, registry))
         loop = asyncio.new_event_loop()
         try:
-            figures = loop.run_until_complete(_drive(config, orch, admin, workers))
+            figures = loop.run_until_complete(_drive(config, orch, admin, server, workers))
             # Orchestrator.close() closes the waiter on its loop, which must be idle and still open.
             orch.close()
             plan: _Plan = figures["plan"]
@@ -309,6 +332,8 @@ def run_scenario(config: LoadConfig, workdir: Path | None = None) -> LoadReport:
             loop.close()
             for worker in workers:
                 worker.close()
+            # Celery's result objects unsubscribe from Redis when collected: let them, before Redis goes.
+            gc.collect()
             orch.app.close()
             admin.close()
             server.stop()
@@ -336,6 +361,8 @@ def run_scenario(config: LoadConfig, workdir: Path | None = None) -> LoadReport:
         redis_clients_orchestrator=figures["clients"],
         ledger=check_ledger(outcomes, effects),
         completed=figures["completed"],
+        cpu_seconds=figures["cpu"],
+        killed_at_s=figures["killed_at"],
     )
 
 
@@ -359,13 +386,14 @@ def _row(report: LoadReport) -> list[str]:
         f"{lat['p50']:.0f}/{lat['p95']:.0f}/{lat['p99']:.0f}", f"{lat['p99'] / max(lat['p50'], 1e-9):.1f}",
         f"{report.rss_before_mb:.0f}->{report.rss_inflight_mb:.0f}", f"{report.rss_per_waiting_turn_kb:.1f}",
         f"{report.loop_lag_ms['p99']:.0f}/{report.loop_lag_ms['max']:.0f}",
+        "/".join(f"{report.cpu_seconds[k]:.0f}" for k in ("orchestrator", "workers", "redis")),
         f"{led.ok}/{led.calls}", str(led.reran), str(led.unsafe_twice), str(led.outcome_unknown), str(led.lost),
         "yes" if report.balanced else "NO",
     ]
 
 
 _HEADER = ["scenario", "N x T x K", "W x c", "sandbox", "calls/s", "turn p50/p95/p99 ms", "p99/p50",
-           "RSS MB before->N waiting", "KB/waiting turn", "loop lag p99/max ms", "ok/calls", "re-ran",
+           "RSS MB before->N waiting", "KB/waiting turn", "loop lag p99/max ms", "CPU s orch/workers/redis", "ok/calls", "re-ran",
            "unsafe 2x", "OUTCOME_UNKNOWN", "lost", "balanced"]
 
 
@@ -392,6 +420,9 @@ def _targets(reports: Sequence[LoadReport]) -> list[str]:
     balanced = all(r.balanced for r in reports)
     lines.append(f"ledger balanced in every run: {'yes' if balanced else 'NO'}")
     for report in reports:
+        if report.killed_at_s is not None:
+            lines.append(f"{report.config.name}: worker load1 SIGKILLed (process group) {report.killed_at_s:.1f} s "
+                         "into the run and started again")
         if not report.balanced:
             lines.append(f"  {report.config.name}: completed={report.completed} {report.ledger.model_dump_json()}")
     return lines
@@ -425,7 +456,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       max_seconds=options.max_seconds)
     variants = {
         "steady": {},
-        "kill": {"name": "kill", "workers": max(options.workers, 2)},
+        # Calls that take a while, so the SIGKILL lands on running handlers of every class.
+        "kill": {"name": "kill", "workers": max(options.workers, 2), "kill": True,
+                 "work_ms": max(options.work_ms, 50.0)},
         "scale": {"name": "scale-1w", "workers": 1},
         "sandbox": {"name": "sandbox", "sandboxed": True},
     }

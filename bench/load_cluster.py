@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from bench.load_tools import READY_PREFIX
+from bench.load_tools import LEDGER_URL_ENV, READY_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL_MODULE = "bench.load_tools"
@@ -34,6 +34,23 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def process_group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of the live processes in a process group (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # After the command name: state ppid pgrp ... utime(14th) stime(15th) of the full line.
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
 class RedisProcess:
     """A private redis-server on a free loopback port, persisting nothing."""
 
@@ -45,7 +62,7 @@ class RedisProcess:
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(workdir), "--loglevel", "warning", "--maxclients", "10000"],
-            stdout=subprocess.DEVNULL, start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
         client = redis.Redis(port=self.port)
         for _ in range(250):
@@ -62,6 +79,9 @@ class RedisProcess:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    def cpu_seconds(self) -> float:
+        return process_group_cpu_seconds(self.proc.pid)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -76,6 +96,7 @@ def worker_env(redis_url: str, visibility_timeout: int, claim_lease: float) -> d
         TOOLCHORD_TOOL_MODULES=TOOL_MODULE,
         TOOLCHORD_VISIBILITY_TIMEOUT=str(visibility_timeout),
         TOOLCHORD_CLAIM_LEASE=str(claim_lease),
+        **{LEDGER_URL_ENV: redis_url},
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")])),
     )
     return env
@@ -102,7 +123,7 @@ class WorkerProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", "worker.celery_app:app", "worker", "--pool", "prefork",
                  "--concurrency", str(self.concurrency), "--queues", "toolchord", "--hostname", self.hostname,
-                 "--loglevel", "WARNING", "--without-mingle", "--without-gossip", "--without-heartbeat"],
+                 "--loglevel", self.env.get("TC_BENCH_LOGLEVEL", "WARNING"), "--without-mingle", "--without-gossip", "--without-heartbeat"],
                 env=self.env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
             )
         deadline = time.monotonic() + timeout
@@ -118,6 +139,12 @@ class WorkerProcess:
         with self.log.open("rb") as handle:
             handle.seek(offset)
             return handle.read()[-3000:].decode(errors="replace")
+
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by the live processes of this worker's process group."""
+        if self.proc is None or self.proc.poll() is not None:
+            return 0.0
+        return process_group_cpu_seconds(self.proc.pid)
 
     def kill(self) -> None:
         """SIGKILL the whole process group: main process, pool children and sandboxes."""

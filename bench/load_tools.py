@@ -22,15 +22,20 @@ READY_PREFIX = "toolchord-bench:ready:"
 # Long enough that a queue backlog of a few thousand calls never hits a turn's deadline.
 LOAD_TOOL_TIMEOUT = 60.0
 
-# Read at import in the worker: the sandbox scrubs the environment before handlers run.
-_REDIS_URL = os.environ.get("TOOLCHORD_REDIS_URL") or os.environ.get("TOOLCHORD_BROKER_URL", "")
+# The ledger's Redis, set by bench.load_cluster. Sandboxed calls get this one variable through
+# the profile's allow-list (the sandbox scrubs everything else, TOOLCHORD_* included).
+LEDGER_URL_ENV = "TC_BENCH_LEDGER_URL"
+_REDIS_URL = os.environ.get(LEDGER_URL_ENV, "")
 _IN_PROCESS = SandboxProfile(isolate=False)
+_SANDBOXED = SandboxProfile(env_allow=(*SandboxProfile().env_allow, LEDGER_URL_ENV))
 
 
 @cache
 def _ledger(pid: int) -> redis.Redis:
-    # Keyed by pid: a client inherited over fork must not be shared with the parent.
-    return redis.Redis.from_url(_REDIS_URL)
+    # Keyed by pid: a client inherited over fork must not be shared with the parent. A sandboxed
+    # call may run in a process that imported this module with a scrubbed environment, so the
+    # URL is looked up again when the call runs.
+    return redis.Redis.from_url(os.environ.get(LEDGER_URL_ENV) or _REDIS_URL)
 
 
 @worker_ready.connect
@@ -66,19 +71,19 @@ def load_unsafe_inproc(tag: str, work_ms: float = 0.0) -> int:
     return _act(tag, work_ms)
 
 
-@tool(side_effect="read", timeout=LOAD_TOOL_TIMEOUT)
+@tool(side_effect="read", timeout=LOAD_TOOL_TIMEOUT, sandbox=_SANDBOXED)
 def load_read_sandboxed(tag: str, work_ms: float = 0.0) -> int:
     """Count one run of this call, then work for `work_ms`."""
     return _act(tag, work_ms)
 
 
-@tool(side_effect="idempotent", timeout=LOAD_TOOL_TIMEOUT)
+@tool(side_effect="idempotent", timeout=LOAD_TOOL_TIMEOUT, sandbox=_SANDBOXED)
 def load_idempotent_sandboxed(tag: str, work_ms: float = 0.0) -> int:
     """Count one run of this call, then work for `work_ms`."""
     return _act(tag, work_ms)
 
 
-@tool(side_effect="unsafe", timeout=LOAD_TOOL_TIMEOUT)
+@tool(side_effect="unsafe", timeout=LOAD_TOOL_TIMEOUT, sandbox=_SANDBOXED)
 def load_unsafe_sandboxed(tag: str, work_ms: float = 0.0) -> int:
     """Count one run of this call, then work for `work_ms`."""
     return _act(tag, work_ms)

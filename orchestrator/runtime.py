@@ -365,8 +365,14 @@ class Orchestrator:
             for dc in record.dispatched:
                 self.runtime.store.cancel(cancel_scope(turn_id, dc.key), self.runtime.settings.result_ttl)
 
+    async def aclose(self) -> None:
+        """Release this event loop's result waiter (call from the loop that ran `arun_*`)."""
+        waiter = self._waiters.pop(asyncio.get_running_loop(), None)
+        if waiter is not None:
+            await waiter.close()
+
     def close(self) -> None:
-        """Release connections held by this orchestrator."""
+        """Release connections held by this orchestrator (waiters of loops that are not running)."""
         for loop, waiter in list(self._waiters.items()):
             if not loop.is_closed() and not loop.is_running():
                 loop.run_until_complete(waiter.close())

@@ -50,25 +50,54 @@ class PollingResultWaiter:
 
 
 class RedisResultWaiter:
-    """One pub/sub subscription per waited task, all on one connection for this event loop."""
+    """Every waiting turn of this event loop on one pub/sub connection, plus a small command pool.
 
-    def __init__(self, url: str, key_prefix: str = "celery-task-meta-") -> None:
-        self._redis = aioredis.Redis.from_url(url)
+    Found under load (bench/load.py, 1,000 turns waiting at once):
+    - each wait used to take a connection of its own for its GET, and redis-py's default pool
+      raises "Too many connections" past 100: GETs now share a blocking pool of
+      `max_connections` and queue for it instead;
+    - a turn re-waits every second (to look at its cancel flag), which used to cost an
+      UNSUBSCRIBE, a SUBSCRIBE and a GET per turn per second: a channel now stays subscribed for
+      `linger` seconds after its last waiter leaves, and a result that arrives in that gap is kept
+      for the next wait, so a re-wait costs no Redis command at all.
+    """
+
+    def __init__(
+        self, url: str, key_prefix: str = "celery-task-meta-", *, max_connections: int = 8, linger: float = 5.0
+    ) -> None:
+        self._redis = aioredis.Redis(
+            connection_pool=aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=None)
+        )
         self._prefix = key_prefix
+        self._linger = linger
         self._pubsub: aioredis.client.PubSub | None = None
         self._waiters: dict[str, list[asyncio.Future[dict[str, Any]]]] = {}
+        # Subscribed channels without a waiter right now: when to unsubscribe, and a result that came.
+        self._idle: dict[str, float] = {}
+        self._arrived: dict[str, dict[str, Any]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._reaper: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
-    async def _ensure_reader(self) -> aioredis.client.PubSub:
+    @property
+    def waiting(self) -> int:
+        """How many tasks are being waited for right now."""
+        return len(self._waiters)
+
+    async def _ensure_tasks(self) -> aioredis.client.PubSub:
         if self._pubsub is None:
             self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
         if self._reader is None or self._reader.done():
             self._reader = asyncio.create_task(self._read(self._pubsub), name="toolchord-result-reader")
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.create_task(self._reap(), name="toolchord-result-unsubscriber")
         return self._pubsub
 
     async def _read(self, pubsub: aioredis.client.PubSub) -> None:
-        while self._waiters or pubsub.subscribed:
+        while self._waiters or self._idle:
+            if not pubsub.subscribed:
+                await asyncio.sleep(0.01)
+                continue
             try:
                 message = await pubsub.get_message(timeout=1.0)
             except (aioredis.ConnectionError, RuntimeError) as exc:
@@ -79,10 +108,32 @@ class RedisResultWaiter:
                 continue
             channel = message["channel"].decode()
             meta = json.loads(message["data"])
-            if meta.get("status") in states.READY_STATES:
-                for future in self._waiters.pop(channel, []):
+            if meta.get("status") not in states.READY_STATES:
+                continue
+            futures = self._waiters.get(channel)
+            if futures:
+                for future in futures:
                     if not future.done():
                         future.set_result(meta)
+            elif channel in self._idle:
+                self._arrived[channel] = meta
+
+    async def _reap(self) -> None:
+        """Unsubscribe channels nobody has waited for during `linger` seconds."""
+        loop = asyncio.get_running_loop()
+        while self._waiters or self._idle:
+            await asyncio.sleep(min(self._linger, 1.0))
+            now = loop.time()
+            expired = [channel for channel, since in self._idle.items() if now - since >= self._linger]
+            if not expired:
+                continue
+            async with self._lock:
+                expired = [c for c in expired if c in self._idle and c not in self._waiters]
+                for channel in expired:
+                    del self._idle[channel]
+                    self._arrived.pop(channel, None)
+                if expired and self._pubsub is not None:
+                    await self._pubsub.unsubscribe(*expired)
 
     async def _get(self, channel: str) -> dict[str, Any] | None:
         raw = await self._redis.get(channel)
@@ -92,37 +143,59 @@ class RedisResultWaiter:
         return meta if meta.get("status") in states.READY_STATES else None
 
     async def wait(self, task_id: str, timeout: float) -> dict[str, Any] | None:
+        try:
+            return await self._wait(task_id, timeout)
+        except (aioredis.RedisError, OSError) as exc:
+            # Redis is unreachable: the turn keeps to its deadline, then the idempotency store
+            # supplies what finished (as the blocking path does).
+            log.warning("waiting for %s: %s", task_id, exc)
+            await asyncio.sleep(min(max(timeout, 0), 0.25))
+            return None
+
+    async def _wait(self, task_id: str, timeout: float) -> dict[str, Any] | None:
         channel = self._prefix + task_id
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[dict[str, Any]] = loop.create_future()
         async with self._lock:
-            pubsub = await self._ensure_reader()
-            first = channel not in self._waiters
+            pubsub = await self._ensure_tasks()
+            subscribed = channel in self._waiters or channel in self._idle
+            self._idle.pop(channel, None)
+            arrived = self._arrived.pop(channel, None)
             self._waiters.setdefault(channel, []).append(future)
-            if first:
+            if not subscribed:
                 await pubsub.subscribe(channel)
         try:
-            # The result may have been stored before the subscription took effect.
-            ready = await self._get(channel)
-            if ready is not None:
-                return ready
+            if arrived is not None:
+                return arrived
+            if not subscribed:
+                # The result may have been stored before the subscription took effect.
+                ready = await self._get(channel)
+                if ready is not None:
+                    return ready
             try:
-                return await asyncio.wait_for(asyncio.shield(future), timeout)
-            except asyncio.TimeoutError:
+                return await asyncio.wait_for(asyncio.shield(future), max(timeout, 0))
+            except TimeoutError:
                 # A missed message (connection blip) must not cost the result: look once more.
                 return await self._get(channel)
         finally:
-            async with self._lock:
-                waiting = self._waiters.get(channel, [])
-                if future in waiting:
-                    waiting.remove(future)
-                if not waiting:
-                    self._waiters.pop(channel, None)
-                    if self._pubsub is not None:
-                        await self._pubsub.unsubscribe(channel)
+            waiting = self._waiters.get(channel, [])
+            if future in waiting:
+                waiting.remove(future)
+            if not waiting:
+                self._waiters.pop(channel, None)
+                # Keep the subscription a while: the caller usually waits again right away. Once
+                # the result is in, nobody needs the channel: the reaper drops it on its next round.
+                delivered = future.done() and not future.cancelled()
+                self._idle[channel] = loop.time() - (self._linger if delivered else 0.0)
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._reaper):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._waiters.clear()
+        self._idle.clear()
+        self._arrived.clear()
         if self._pubsub is not None:
             await self._pubsub.aclose()
         await self._redis.aclose()

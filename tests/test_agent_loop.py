@@ -92,7 +92,8 @@ def test_multi_turn_conversation_through_the_real_clients(
     # Anthropic's tool_use input is always an object, so the truncated JSON arrives as {} there.
     bad_arguments = "INVALID_ARGUMENTS" if provider == "anthropic" else "INVALID_JSON"
     assert [(r.name, r.status, r.error.code.value if r.error else None) for r in first.results] == [
-        ("weather", "ok", None), ("teleport", "error", "UNKNOWN_TOOL"), ("save_note", "error", bad_arguments)]
+        ("weather", "ok", None), ("teleport", "error", "UNKNOWN_TOOL"), ("save_note", "error", bad_arguments)
+    ], [r.content for r in first.results]
     assert [r.content for r in second.results] == ["saved trip"]
     assert final.calls == []
 

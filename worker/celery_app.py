@@ -32,9 +32,12 @@ def _celery_config(settings: Settings) -> dict[str, Any]:
         "result_expires": settings.result_ttl,
         "result_extended": False,
         "worker_prefetch_multiplier": 1,
+        # Workers send task events (Flower shows every call from "received" on); publishers don't
+        # send "sent" events and no STARTED state is stored: each costs a round trip per call, and
+        # toolchord knows a call started from its idempotency claim.
         "worker_send_task_events": True,
-        "task_send_sent_event": True,
-        "task_track_started": True,
+        "task_send_sent_event": False,
+        "task_track_started": False,
         "broker_connection_retry_on_startup": True,
     }
     if settings.embedded:
@@ -43,7 +46,6 @@ def _celery_config(settings: Settings) -> dict[str, Any]:
             result_backend="cache+memory://",
             broker_transport_options={"polling_interval": EMBEDDED_POLL_SECONDS},
             worker_send_task_events=False,
-            task_send_sent_event=False,
             # The embedded worker lives in the user's process: leave its logging alone.
             worker_hijack_root_logger=False,
         )

@@ -277,7 +277,11 @@ def register_tasks(app: Celery) -> None:
     """Register toolchord's tasks on an app made by `create_app`."""
     for side_effect in TASK_NAMES:
         _make_call_task(app, side_effect)
-    app.task(name=COLLECT_TASK, typing=False, shared=False, resultrepr_maxsize=0)(collect)
+    # The callback is a pure function of its input: a redelivery after a lost worker is harmless,
+    # while an early ack would lose the turn's callback with the worker.
+    app.task(
+        name=COLLECT_TASK, typing=False, shared=False, resultrepr_maxsize=0, acks_late=True, reject_on_worker_lost=True
+    )(collect)
 
 
 __all__ = ["COLLECT_TASK", "TASK_NAMES", "CallExecution", "backoff_seconds", "collect", "register_tasks"]

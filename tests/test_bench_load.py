@@ -1,0 +1,52 @@
+"""The load test in a small configuration: the ledger balances, also across a worker SIGKILL."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.load import LoadConfig, format_table, run_scenario
+from bench.load_ledger import CallOutcome, check_ledger
+
+pytestmark = pytest.mark.slow
+
+
+def test_ledger_balances_under_load() -> None:
+    report = run_scenario(LoadConfig(sessions=50, turns=2, calls=2, workers=1, max_seconds=60))
+    assert report.completed
+    # 50 sessions x 2 turns x 2 calls, plus the warm-up session's 2 turns.
+    assert report.ledger.calls == 51 * 2 * 2
+    assert report.ledger.ok == report.ledger.calls
+    assert report.ledger.reran == 0 and report.ledger.outcome_unknown == 0
+    assert report.ledger.balanced
+    assert report.inflight_turns >= 51
+    assert "| steady | 50x2x2 |" in format_table([report])
+
+
+def test_ledger_balances_when_a_worker_is_killed_and_restarted() -> None:
+    # Calls that take a while, so the SIGKILL lands on running calls of every class.
+    report = run_scenario(
+        LoadConfig(name="kill", sessions=50, turns=2, calls=2, workers=1, work_ms=100, kill=True,
+                   visibility_timeout=4, claim_lease=1, max_seconds=60)
+    )
+    assert report.completed
+    assert report.ledger.balanced, report.ledger
+    assert report.ledger.unsafe_twice == 0
+    # The killed calls were redelivered: read/idempotent ones ran again, unsafe ones did not.
+    assert report.ledger.reran + report.ledger.outcome_unknown >= 1
+
+
+def test_ledger_counts_what_does_not_balance() -> None:
+    outcomes = [
+        CallOutcome(tag="a", side_effect="unsafe", results=1, status="ok"),
+        CallOutcome(tag="b", side_effect="unsafe", results=1, status="error", code="OUTCOME_UNKNOWN"),
+        CallOutcome(tag="c", side_effect="read", results=1, status="ok"),
+        CallOutcome(tag="d", side_effect="read", results=1, status="error", code="NOT_EXECUTED"),
+        CallOutcome(tag="e", side_effect="idempotent", results=0),
+        CallOutcome(tag="f", side_effect="idempotent", results=1, status="ok"),
+    ]
+    report = check_ledger(outcomes, {"a": 2, "b": 1, "c": 3, "d": 0, "f": 0})
+    assert (report.unsafe_twice, report.outcome_unknown, report.reran) == (1, 1, 1)
+    assert report.results_missing_or_duplicated == 1
+    # d (not executed), e (no result) and f (ok without its effect) are lost.
+    assert report.lost == 3
+    assert not report.balanced
