@@ -163,9 +163,7 @@ class Orchestrator:
             sigs = [self._signature(record, by_id[cid], first=i == 0) for i, cid in enumerate(group)]
             header.append(sigs[0] if len(sigs) == 1 else chain(*sigs))
         order = [
-            CallRef(
-                id=dc.call.id, name=dc.call.name, arguments_raw=dc.call.arguments_raw, side_effect=dc.side_effect
-            ).model_dump()
+            CallRef(id=dc.call.id, name=dc.call.name, side_effect=dc.side_effect).model_dump()
             for dc in record.dispatched
         ]
         body_id = "tc-collect-" + _digest(record.session_id, record.turn_id, str(time.time_ns()))
@@ -264,6 +262,14 @@ class Orchestrator:
             return self._finish(record, [], "")
         return record, body_id
 
+    @staticmethod
+    def _wait_slice(record: TurnRecord, most: float) -> float:
+        """How long the next wait may last: up to `most`, never past the deadline.
+
+        Never zero: Celery reads a zero timeout as "wait forever".
+        """
+        return min(max(record.deadline - time.time(), 0.001), most)
+
     def _stop_reason(self, record: TurnRecord) -> str | None:
         """Why waiting for this turn must end now, or None to keep waiting."""
         if self.turns.cancelled(record.session_id, record.turn_id):
@@ -285,24 +291,25 @@ class Orchestrator:
             return started
         record, body_id = started
         async_result = self.app.AsyncResult(body_id)
-        while (reason := self._stop_reason(record)) is None:
+        while True:
             try:
                 value = async_result.get(
-                    timeout=min(record.deadline - time.time(), _CANCEL_POLL),
+                    timeout=self._wait_slice(record, _CANCEL_POLL),
                     interval=0.002,
                     propagate=False,
                     disable_sync_subtasks=False,
                 )
             except CeleryTimeoutError:
-                continue
+                pass
             except (redis.RedisError, OSError, RuntimeError) as exc:
                 # The result backend is unreachable (or Celery's consumer gave up): keep to the
                 # deadline, then the idempotency store supplies what finished.
                 log.warning("waiting for turn %s: %s", record.turn_id, exc)
                 time.sleep(_CANCEL_POLL)
-                continue
-            return self._collected(record, async_result.status, value)
-        return self._finish(record, None, reason)
+            else:
+                return self._collected(record, async_result.status, value)
+            if (reason := self._stop_reason(record)) is not None:
+                return self._finish(record, None, reason)
 
     def run_turn(
         self, session_id: str, assistant_output: Any, provider: Provider = "chat", *, turn_id: str | None = None
@@ -333,11 +340,12 @@ class Orchestrator:
             return started
         record, body_id = started
         waiter = self._waiter()
-        while (reason := self._stop_reason(record)) is None:
-            meta = await waiter.wait(body_id, min(record.deadline - time.time(), _CANCEL_POLL * 4))
+        while True:
+            meta = await waiter.wait(body_id, self._wait_slice(record, _CANCEL_POLL * 4))
             if meta is not None:
                 return self._collected(record, meta.get("status"), meta.get("result"))
-        return self._finish(record, None, reason)
+            if (reason := self._stop_reason(record)) is not None:
+                return self._finish(record, None, reason)
 
     async def arun_turn(
         self, session_id: str, assistant_output: Any, provider: Provider = "chat", *, turn_id: str | None = None

@@ -262,7 +262,7 @@ def collect(results: list[Any], order: list[dict[str, Any]]) -> list[dict[str, A
         ref = CallRef.model_validate(ref_data)
         found = by_id.get(ref.id)
         if found is None:
-            call = ToolCall(id=ref.id, name=ref.name, arguments_raw=ref.arguments_raw)
+            call = ToolCall(id=ref.id, name=ref.name, arguments_raw="")
             error = (
                 errors.outcome_unknown(call, "its result was lost")
                 if ref.side_effect == "unsafe"

@@ -156,6 +156,9 @@ def _warn_once(layer: Layer, caps: SandboxCapabilities) -> None:
 def _run_in_process(
     spec: ToolSpec, args: BaseModel, context: ToolContext
 ) -> HandlerOutcome:
+    if spec.context_param is None:
+        # Only a handler that takes its ToolContext can know the workdir: skip making one.
+        return call_handler(spec, args, context)
     workdir = _make_workdir()
     try:
         return call_handler(spec, args, context.model_copy(update={"workdir": workdir}))
