@@ -18,6 +18,7 @@ from pathlib import Path
 
 import redis
 from celery import Celery
+from kombu.exceptions import OperationalError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -112,7 +113,7 @@ def worker_env(redis_url: str, tool_modules: str, base: Mapping[str, str] | None
 
 
 class WorkerProcess:
-    """A real `celery worker` (prefork pool) on toolchord's app, in its own process group."""
+    """A real worker, started as users start one (`toolchord worker`, prefork pool), in its own process group."""
 
     def __init__(self, env: dict[str, str], queues: str, concurrency: int, name: str, log: Path,
                  loglevel: str = "INFO") -> None:
@@ -123,10 +124,11 @@ class WorkerProcess:
     def start(self, timeout: float = 30.0) -> None:
         """Start the worker and wait for its ` ready.` log line."""
         with self.log.open("ab") as handle:
+            # `toolchord worker` execs `celery worker --pool prefork --task-events` on toolchord's app.
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "worker.celery_app:app", "worker", "--pool", "prefork",
-                 "--concurrency", str(self.concurrency), "--queues", self.queues, "--hostname", f"{self.name}@%h",
-                 "--loglevel", self.loglevel, "--without-mingle", "--without-gossip", "--task-events"],
+                [sys.executable, "-m", "orchestrator.cli", "worker", "--concurrency", str(self.concurrency),
+                 "--queues", self.queues, "--hostname", f"{self.name}@%h", "--loglevel", self.loglevel,
+                 "--without-mingle", "--without-gossip"],
                 env=self.env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
             )
         # Celery logs " ready." at INFO; above that level, ask the worker itself with a control ping.
@@ -137,12 +139,20 @@ class WorkerProcess:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise ProcessStartError(f"worker {self.name} exited early:\n{self._log_tail()}")
-                if b" ready." in self.log.read_bytes() or pinger.control.ping(destination=[node], timeout=0.2):
+                if b" ready." in self.log.read_bytes() or self._answers_ping(pinger, node):
                     return
         finally:
             pinger.close()
         self.kill()
         raise ProcessStartError(f"worker {self.name} not ready in {timeout}s:\n{self._log_tail()}")
+
+    @staticmethod
+    def _answers_ping(pinger: Celery, node: str) -> bool:
+        try:
+            return bool(pinger.control.ping(destination=[node], timeout=0.2))
+        except (OperationalError, redis.RedisError):
+            # The broker connection dropped (Redis restarted by a test, say): ask again next round.
+            return False
 
     def _log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:]
