@@ -42,7 +42,9 @@ class Settings(BaseModel):
     visibility_timeout: int = Field(default=3600, gt=0)
     result_ttl: int = Field(default=86400, gt=0)
     claim_lease: float = Field(default=15.0, gt=0, description="Seconds a claim lives without renewal.")
-    sandbox_uid: int = 65534
+    sandbox_uid: int | None = Field(
+        default=None, description="One uid for every sandboxed call of a root worker; None: a uid per call."
+    )
     log_dir: str = ".toolchord/logs"
 
     @property

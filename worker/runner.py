@@ -19,8 +19,15 @@ from worker.spill import SpillStore
 from worker.tools import ToolSpec
 
 
-def run_handler(spec: ToolSpec, arguments: dict[str, Any], context: ToolContext) -> HandlerOutcome:
-    """Re-validate the arguments (they crossed a process boundary as JSON) and run the handler."""
+def run_handler(
+    spec: ToolSpec, arguments: dict[str, Any], context: ToolContext, *, sandbox_uid: int | None = None
+) -> HandlerOutcome:
+    """Re-validate the arguments (they crossed a process boundary as JSON) and run the handler.
+
+    `sandbox_uid` (TOOLCHORD_SANDBOX_UID) applies to tools whose profile names no uid of its own.
+    """
+    if sandbox_uid is not None and spec.sandbox.uid is None:
+        spec = spec.model_copy(update={"sandbox": spec.sandbox.model_copy(update={"uid": sandbox_uid})})
     try:
         args = spec.args_model.model_validate(arguments)
     except ValidationError as exc:

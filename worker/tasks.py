@@ -166,7 +166,7 @@ class CallExecution:
 
     def _run_handler(self, spec: ToolSpec, token: str) -> HandlerOutcome:
         with self.rt.lease_renewer.hold(self.p.key, token):
-            return run_handler(spec, self.p.arguments, self._context())
+            return run_handler(spec, self.p.arguments, self._context(), sandbox_uid=self.rt.settings.sandbox_uid)
 
     def _retry_countdown(self, spec: ToolSpec, outcome: HandlerOutcome) -> float | None:
         """Seconds until the next attempt, or None when this outcome is final (DESIGN.md section 4)."""
