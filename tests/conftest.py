@@ -7,6 +7,7 @@ wrapped as fixtures that fail with a clear message when something cannot start.
 from __future__ import annotations
 
 import gc
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -79,3 +80,12 @@ def start_worker(redis_url: str, clean_redis: redis.Redis, tmp_path: Path) -> It
     yield start
     for worker in started:
         worker.stop()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print the fault-injection summary when the fault tests ran."""
+    faults = sys.modules.get("tests.test_faults")
+    if faults is not None and faults.ROWS:
+        terminalreporter.section("fault injection summary")
+        for line in faults.summary_lines():
+            terminalreporter.write_line(line)
