@@ -36,12 +36,30 @@ log = logging.getLogger("toolchord.orchestrator")
 # Slack over the handler timeout for Celery's own limits: the sandbox kills the handler first.
 _SOFT_LIMIT_SLACK = 5.0
 _HARD_LIMIT_SLACK = 10.0
-# How often a waiting turn looks at its cancel flag.
+# How long one wait for a turn's result lasts before the turn looks at its cancel state again.
 _CANCEL_POLL = 0.25
+# How often a waiting turn asks Redis whether another process cancelled it (cancels made through
+# this orchestrator are seen at the next wait slice without asking Redis): one EXISTS per waiting
+# turn per second adds up at a thousand waiting turns.
+_REMOTE_CANCEL_POLL = 5.0
 
 
 def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+class _RemoteCancelClock:
+    """Says when a waiting turn should next ask Redis for its cancel flag."""
+
+    def __init__(self) -> None:
+        self._next = time.monotonic() + _REMOTE_CANCEL_POLL
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + _REMOTE_CANCEL_POLL
+        return True
 
 
 class Orchestrator:
@@ -68,6 +86,7 @@ class Orchestrator:
             MemoryTurnStore() if self.runtime.redis is None else RedisTurnStore(self.runtime.redis, settings.result_ttl)
         )
         self._waiters: dict[asyncio.AbstractEventLoop, ResultWaiter] = {}
+        self._cancelled_here: set[tuple[str, str]] = set()
         if settings.embedded:
             self.runtime.registry.add_missing(registry)
             self.runtime.start_embedded_worker(self.app)
@@ -200,6 +219,7 @@ class Orchestrator:
             late_results=self._late_results(record.session_id, exclude_turn=record.turn_id),
         )
         self.turns.finish(record, turn)
+        self._cancelled_here.discard((record.session_id, record.turn_id))
         return turn
 
     def _stored_results(self, keys: list[str]) -> list[str | None]:
@@ -270,9 +290,10 @@ class Orchestrator:
         """
         return min(max(record.deadline - time.time(), 0.001), most)
 
-    def _stop_reason(self, record: TurnRecord) -> str | None:
+    def _stop_reason(self, record: TurnRecord, ask_redis: bool) -> str | None:
         """Why waiting for this turn must end now, or None to keep waiting."""
-        if self.turns.cancelled(record.session_id, record.turn_id):
+        turn = (record.session_id, record.turn_id)
+        if turn in self._cancelled_here or (ask_redis and self.turns.cancelled(*turn)):
             return "the turn was cancelled"
         if record.deadline <= time.time():
             return "the turn's deadline passed"
@@ -291,6 +312,7 @@ class Orchestrator:
             return started
         record, body_id = started
         async_result = self.app.AsyncResult(body_id)
+        remote_check = _RemoteCancelClock()
         while True:
             try:
                 value = async_result.get(
@@ -308,7 +330,7 @@ class Orchestrator:
                 time.sleep(_CANCEL_POLL)
             else:
                 return self._collected(record, async_result.status, value)
-            if (reason := self._stop_reason(record)) is not None:
+            if (reason := self._stop_reason(record, remote_check.due())) is not None:
                 return self._finish(record, None, reason)
 
     def run_turn(
@@ -340,11 +362,12 @@ class Orchestrator:
             return started
         record, body_id = started
         waiter = self._waiter()
+        remote_check = _RemoteCancelClock()
         while True:
             meta = await waiter.wait(body_id, self._wait_slice(record, _CANCEL_POLL * 4))
             if meta is not None:
                 return self._collected(record, meta.get("status"), meta.get("result"))
-            if (reason := self._stop_reason(record)) is not None:
+            if (reason := self._stop_reason(record, remote_check.due())) is not None:
                 return self._finish(record, None, reason)
 
     async def arun_turn(
@@ -366,7 +389,12 @@ class Orchestrator:
         return self.run_calls(session_id, record.calls, turn_id=record.turn_id, provider=record.provider)
 
     def cancel(self, session_id: str, turn_id: str) -> None:
-        """Stop a turn: its waiting `run_*` returns promptly; unstarted calls will not start."""
+        """Stop a turn: its waiting `run_*` returns promptly; unstarted calls will not start.
+
+        A turn waited on by this orchestrator stops within a wait slice; one waited on by another
+        orchestrator process within a few seconds (it polls the flag in Redis).
+        """
+        self._cancelled_here.add((session_id, turn_id))
         self.turns.cancel(session_id, turn_id)
         record = self.turns.record(session_id, turn_id)
         if record is not None:

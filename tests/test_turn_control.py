@@ -119,3 +119,20 @@ def test_flower_shows_each_call_by_tool_and_call_id_behind_auth(start_worker, re
     finally:
         flower.terminate()
         flower.wait(10)
+
+
+def test_cancel_from_another_orchestrator_process_is_seen(start_worker, redis_url, clean_redis):
+    start_worker(TOOLS, concurrency=1)
+    waiting, other = orchestrator(redis_url), orchestrator(redis_url)
+    calls = [call(0, "effect_read", key="r-running", seconds=8)]
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("turn", waiting.run_calls("s-rc", calls, turn_id="t2")))
+    thread.start()
+    deadline = time.time() + 20
+    while effects(clean_redis, "r-running") == 0 and time.time() < deadline:
+        time.sleep(0.05)
+    cancelled_at = time.monotonic()
+    other.cancel("s-rc", "t2")  # only Redis carries this cancel to the waiting orchestrator
+    thread.join(15)
+    assert time.monotonic() - cancelled_at < 7, "a remote cancel must be seen within the poll interval"
+    assert box["turn"].results[0].error.code == ErrorCode.CANCELLED
