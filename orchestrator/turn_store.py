@@ -7,6 +7,7 @@ when embedded.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import Protocol
 
 import redis
@@ -107,13 +108,18 @@ class RedisTurnStore:
 
 
 class MemoryTurnStore:
-    """The same in process memory, for the embedded mode."""
+    """The same in process memory, for the embedded mode.
 
-    def __init__(self) -> None:
+    Finished turns are kept for resubmission up to `max_finished` (oldest dropped first), so a
+    long-lived embedded agent does not grow without bound.
+    """
+
+    def __init__(self, max_finished: int = 10_000) -> None:
         self._lock = threading.Lock()
+        self._max_finished = max_finished
         self._records: dict[tuple[str, str], TurnRecord] = {}
         self._active: dict[str, str] = {}
-        self._results: dict[tuple[str, str], TurnResult] = {}
+        self._results: OrderedDict[tuple[str, str], TurnResult] = OrderedDict()
         self._cancelled: set[tuple[str, str]] = set()
         self._late: dict[str, dict[str, LateCall]] = {}
 
@@ -141,8 +147,12 @@ class MemoryTurnStore:
             key = (record.session_id, record.turn_id)
             self._records[key] = record.model_copy(update={"status": "done"})
             self._results[key] = result
+            self._cancelled.discard(key)
             if self._active.get(record.session_id) == record.turn_id:
                 del self._active[record.session_id]
+            while len(self._results) > self._max_finished:
+                oldest, _ = self._results.popitem(last=False)
+                self._records.pop(oldest, None)
 
     def result(self, session_id: str, turn_id: str) -> TurnResult | None:
         with self._lock:

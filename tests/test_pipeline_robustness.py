@@ -276,3 +276,28 @@ def test_a_failing_policy_function_is_a_result_not_an_exception() -> None:
     assert result.error is not None and result.error.code == ErrorCode.EXECUTION_ERROR
     assert "policy function failed" in result.content
     assert "read_output" not in registry  # the caller's registry is not modified
+
+
+def test_embedded_stores_stay_bounded() -> None:
+    import time as _time
+
+    from orchestrator.turn import TurnRecord, TurnResult
+    from orchestrator.turn_store import MemoryTurnStore
+    from worker.idempotency import MemoryIdempotencyStore
+
+    turns = MemoryTurnStore(max_finished=3)
+    for i in range(10):
+        record = TurnRecord(session_id="s", turn_id=f"t{i}", provider="chat", calls=[], deadline=0)
+        turns.save(record)
+        turns.finish(record, TurnResult(session_id="s", turn_id=f"t{i}", provider="chat", calls=[], results=[]))
+    assert turns.find("s", "t0") is None and turns.find("s", "t9") is not None
+    assert len(turns._records) == len(turns._results) == 3
+
+    store = MemoryIdempotencyStore()
+    for i in range(store._SWEEP_EVERY):
+        store.cancel(f"k{i}", ttl=0)  # expires at once; nobody reads it again
+    _time.sleep(0.01)
+    store.cancel("last", ttl=60)
+    for i in range(store._SWEEP_EVERY - 1):
+        store.cancel(f"again{i}", ttl=60)
+    assert len(store._values) < store._SWEEP_EVERY * 2

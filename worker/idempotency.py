@@ -186,9 +186,13 @@ class RedisIdempotencyStore:
 class MemoryIdempotencyStore:
     """The same protocol in process memory, for the embedded mode and its in-process worker."""
 
+    # Expired records nobody reads again would stay forever: sweep them every so many writes.
+    _SWEEP_EVERY = 1024
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, tuple[str, float]] = {}
+        self._writes = 0
 
     def _get(self, name: str) -> str | None:
         entry = self._values.get(name)
@@ -200,7 +204,12 @@ class MemoryIdempotencyStore:
         return entry[0]
 
     def _set(self, name: str, value: str, seconds: float) -> None:
-        self._values[name] = (value, time.monotonic() + seconds)
+        now = time.monotonic()
+        self._values[name] = (value, now + seconds)
+        self._writes += 1
+        if self._writes % self._SWEEP_EVERY == 0:
+            for expired in [k for k, (_, until) in self._values.items() if until < now]:
+                del self._values[expired]
 
     def claim(self, key: str, token: str, lease: float, ttl: int, cancel_scope: str | None = None) -> Claim:
         result_key, claim_key, started_key, _ = _keys(key)
