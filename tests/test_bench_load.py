@@ -26,7 +26,7 @@ def test_ledger_balances_when_a_worker_is_killed_and_restarted() -> None:
     # Calls that take a while, so the SIGKILL lands on running calls of every class.
     report = run_scenario(
         LoadConfig(name="kill", sessions=50, turns=2, calls=2, workers=1, work_ms=100, kill=True,
-                   visibility_timeout=4, claim_lease=1, max_seconds=60)
+                   visibility_timeout=4, claim_lease=1, max_seconds=120)
     )
     assert report.completed
     assert report.ledger.balanced, report.ledger
