@@ -1,14 +1,13 @@
 """A private loopback cluster for the load test: one redis-server and real prefork workers.
 
-Mirrors tests/conftest.py without pytest: every process runs in its own process group, so a
-worker can be SIGKILLed whole (main process, pool children, sandboxes) and started again.
+Built on `bench.processes` (shared with the tests and the turn benchmark); what the load test
+adds is CPU accounting per process group and a readiness signal that works with worker logging
+turned down (log lines cost throughput at load).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -17,21 +16,11 @@ from pathlib import Path
 
 import redis
 
+from bench import processes
 from bench.load_tools import LEDGER_URL_ENV, READY_PREFIX
+from bench.processes import ROOT, ProcessStartError, RedisServer
 
-ROOT = Path(__file__).resolve().parent.parent
 TOOL_MODULE = "bench.load_tools"
-
-
-class ClusterError(RuntimeError):
-    """A process of the cluster could not be started."""
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def process_group_cpu_seconds(pgid: int) -> float:
@@ -51,63 +40,33 @@ def process_group_cpu_seconds(pgid: int) -> float:
     return total / ticks
 
 
-class RedisProcess:
-    """A private redis-server on a free loopback port, persisting nothing."""
+class RedisProcess(RedisServer):
+    """A started private redis-server whose CPU time can be read."""
 
     def __init__(self, workdir: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise ClusterError("redis-server is not installed (Debian/Ubuntu: apt-get install redis-server)")
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--loglevel", "warning", "--maxclients", "10000"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )
-        client = redis.Redis(port=self.port)
-        for _ in range(250):
-            try:
-                client.ping()
-                client.close()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.02)
-        self.stop()
-        raise ClusterError(f"redis-server did not start on port {self.port}")
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        super().__init__(workdir)
+        self.start()
 
     def cpu_seconds(self) -> float:
-        return process_group_cpu_seconds(self.proc.pid)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        return process_group_cpu_seconds(self.proc.pid) if self.proc is not None else 0.0
 
 
 def worker_env(redis_url: str, visibility_timeout: int, claim_lease: float) -> dict[str, str]:
     """The environment of a load worker: only this cluster's Redis and the load tools."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLCHORD_")}
-    env.update(
-        TOOLCHORD_BROKER_URL=redis_url,
-        TOOLCHORD_TOOL_MODULES=TOOL_MODULE,
+    return processes.worker_env(
+        redis_url,
+        TOOL_MODULE,
         TOOLCHORD_VISIBILITY_TIMEOUT=str(visibility_timeout),
         TOOLCHORD_CLAIM_LEASE=str(claim_lease),
         **{LEDGER_URL_ENV: redis_url},
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")])),
     )
-    return env
 
 
-class WorkerProcess:
-    """A `celery worker --pool prefork` in its own process group."""
+class WorkerProcess(processes.WorkerProcess):
+    """A load worker: ready when it says so in Redis, with its process group's CPU time readable."""
 
     def __init__(self, env: dict[str, str], concurrency: int, name: str, log: Path) -> None:
-        self.env, self.concurrency, self.name, self.log = env, concurrency, name, log
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(env, "toolchord", concurrency, name, log, loglevel=env.get("TC_BENCH_LOGLEVEL", "WARNING"))
         self._redis = redis.Redis.from_url(env["TOOLCHORD_BROKER_URL"])
 
     @property
@@ -121,21 +80,21 @@ class WorkerProcess:
         self._redis.delete(ready_key)
         with self.log.open("ab") as handle:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "worker.celery_app:app", "worker", "--pool", "prefork",
-                 "--concurrency", str(self.concurrency), "--queues", "toolchord", "--hostname", self.hostname,
-                 "--loglevel", self.env.get("TC_BENCH_LOGLEVEL", "WARNING"), "--without-mingle", "--without-gossip", "--without-heartbeat"],
+                [sys.executable, "-m", "orchestrator.cli", "worker", "--concurrency", str(self.concurrency),
+                 "--queues", self.queues, "--hostname", self.hostname, "--loglevel", self.loglevel,
+                 "--without-mingle", "--without-gossip", "--without-heartbeat"],
                 env=self.env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ClusterError(f"worker {self.name} exited early:\n{self._log_tail(offset)}")
+                raise ProcessStartError(f"worker {self.name} exited early:\n{self._tail_from(offset)}")
             if self._redis.exists(ready_key):
                 return
             time.sleep(0.05)
-        raise ClusterError(f"worker {self.name} not ready in {timeout:.0f}s:\n{self._log_tail(offset)}")
+        raise ProcessStartError(f"worker {self.name} not ready in {timeout:.0f}s:\n{self._tail_from(offset)}")
 
-    def _log_tail(self, offset: int) -> str:
+    def _tail_from(self, offset: int) -> str:
         with self.log.open("rb") as handle:
             handle.seek(offset)
             return handle.read()[-3000:].decode(errors="replace")
@@ -146,23 +105,7 @@ class WorkerProcess:
             return 0.0
         return process_group_cpu_seconds(self.proc.pid)
 
-    def kill(self) -> None:
-        """SIGKILL the whole process group: main process, pool children and sandboxes."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
     def close(self) -> None:
         """Stop the worker and drop the driver's connection."""
-        self.stop()
+        self.stop(timeout=15)
         self._redis.close()
-
-    def stop(self) -> None:
-        """Warm shutdown, then a kill if it does not end in time."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.kill()

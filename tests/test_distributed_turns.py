@@ -3,35 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest
 
-from orchestrator import Orchestrator
-from worker import ErrorCode, Registry, ToolCall
-from worker.celery_app import create_app
-from worker.config import Settings
-from tests import celery_tools
+from tests.cluster_helpers import TOOLS, call, orchestrator
+from worker import ErrorCode
 
 pytestmark = pytest.mark.slow
-
-TOOLS = "tests.celery_tools"
-
-
-def make_orchestrator(redis_url: str, **kwargs: object) -> Orchestrator:
-    settings = Settings(broker_url=redis_url, result_backend=redis_url, redis_url=redis_url, visibility_timeout=8)
-    registry = Registry.from_modules([TOOLS])
-    return Orchestrator(registry, create_app(settings, registry), **kwargs)  # type: ignore[arg-type]
-
-
-def call(i: int, name: str, **args: object) -> ToolCall:
-    return ToolCall(id=f"call_{i}", name=name, arguments_raw=json.dumps(args), index=i)
 
 
 def test_parallel_calls_return_in_model_order(start_worker, redis_url):
     start_worker(TOOLS, concurrency=4)
-    orch = make_orchestrator(redis_url)
+    orch = orchestrator(redis_url)
     # The first call is the slowest, so completion order is the reverse of model order.
     calls = [call(i, "slow", seconds=0.3 - 0.1 * i) for i in range(3)] + [call(3, "nope"), call(4, "echo", text=1)]
     turn = orch.run_calls("s-order", calls)
@@ -43,7 +27,7 @@ def test_parallel_calls_return_in_model_order(start_worker, redis_url):
 
 def test_slow_call_hits_time_limit_and_others_return(start_worker, redis_url):
     start_worker(TOOLS, concurrency=4)
-    orch = make_orchestrator(redis_url)
+    orch = orchestrator(redis_url)
     start = time.monotonic()
     turn = orch.run_calls("s-timeout", [call(0, "slow", seconds=30), call(1, "echo", text="hi")])
     elapsed = time.monotonic() - start
@@ -55,7 +39,7 @@ def test_slow_call_hits_time_limit_and_others_return(start_worker, redis_url):
 
 def test_transient_error_retried_for_read_not_for_unsafe(start_worker, redis_url, clean_redis):
     start_worker(TOOLS, concurrency=2)
-    orch = make_orchestrator(redis_url)
+    orch = orchestrator(redis_url)
     turn = orch.run_calls(
         "s-retry", [call(0, "flaky_read", key="r", failures=2), call(1, "flaky_unsafe", key="u", failures=2)]
     )
@@ -67,7 +51,7 @@ def test_transient_error_retried_for_read_not_for_unsafe(start_worker, redis_url
 
 def test_calls_sharing_a_resource_run_serially(start_worker, redis_url, clean_redis):
     start_worker(TOOLS, concurrency=4)
-    orch = make_orchestrator(redis_url)
+    orch = orchestrator(redis_url)
     calls = [call(i, "serial_step", resource="file-a", label=str(i)) for i in range(3)]
     calls.append(call(3, "serial_step", resource="file-b", label="b"))
     turn = orch.run_calls("s-serial", calls)
@@ -79,7 +63,7 @@ def test_calls_sharing_a_resource_run_serially(start_worker, redis_url, clean_re
 @pytest.mark.parametrize("size", [1, 64])
 def test_chord_of_one_and_of_64(start_worker, redis_url, size):
     start_worker(TOOLS, concurrency=4)
-    orch = make_orchestrator(redis_url)
+    orch = orchestrator(redis_url)
     calls = [call(i, "echo", text=f"t{i}") for i in range(size)]
     turn = orch.run_calls(f"s-size-{size}", calls)
     assert [r.content for r in turn.results] == [f"t{i}" for i in range(size)]
@@ -88,7 +72,7 @@ def test_chord_of_one_and_of_64(start_worker, redis_url, size):
 def test_two_queues_two_workers(start_worker, redis_url):
     first = start_worker(TOOLS, queues="toolchord", name="wa", TC_TEST_WORKER="wa")
     start_worker(TOOLS, queues="b", name="wb", TC_TEST_WORKER="wb")
-    orch = make_orchestrator(redis_url)
+    orch = orchestrator(redis_url)
     turn = orch.run_calls("s-queues", [call(0, "where", x=1), call(1, "echo", text="default")])
     assert turn.results[0].content == "wb:1"
     assert turn.results[1].content == "default"
@@ -98,7 +82,7 @@ def test_two_queues_two_workers(start_worker, redis_url):
 
 def test_turn_deadline_never_hangs(start_worker, redis_url):
     start_worker(TOOLS, concurrency=1)
-    orch = make_orchestrator(redis_url, turn_timeout=1.5)
+    orch = orchestrator(redis_url, turn_timeout=1.5)
     # One pool process: the second call cannot start before the deadline.
     turn = orch.run_calls("s-deadline", [call(0, "effect_read", key="d0", seconds=5), call(1, "echo", text="x")])
     codes = [r.error.code if r.error else None for r in turn.results]
@@ -107,7 +91,7 @@ def test_turn_deadline_never_hangs(start_worker, redis_url):
 
 def test_async_turns_share_one_loop(start_worker, redis_url):
     start_worker(TOOLS, concurrency=4)
-    orch = make_orchestrator(redis_url)
+    orch = orchestrator(redis_url)
 
     async def many() -> list:
         return await asyncio.gather(

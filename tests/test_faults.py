@@ -6,28 +6,22 @@ observed, results returned, lost (calls without exactly one result) — lost mus
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
-import redis
 
-from orchestrator import Orchestrator
 from orchestrator.turn import TurnResult
+from tests.cluster_helpers import TOOLS, call, effects, orchestrator, run_in_thread, settings_for, wait_for
 from tests.conftest import ROOT, worker_env
-from worker import ErrorCode, Registry, ToolCall
+from worker import ErrorCode, Registry
 from worker.celery_app import create_app
-from worker.config import Settings
 from worker.payloads import CallPayload
 from worker.tasks import TASK_NAMES
 
 pytestmark = pytest.mark.slow
 
-TOOLS = "tests.celery_tools"
 ROWS: list[tuple[str, int, int, int, int]] = []
 
 
@@ -38,45 +32,12 @@ def summary_lines() -> list[str]:
     return lines
 
 
-def record(name: str, turn: TurnResult, effects: int) -> None:
+def record(name: str, turn: TurnResult, side_effects: int) -> None:
     ids = [c.id for c in turn.calls]
     result_ids = [r.call_id for r in turn.results]
     lost = sum(1 for i in ids if result_ids.count(i) != 1)
-    ROWS.append((name, len(ids), effects, len(turn.results), lost))
+    ROWS.append((name, len(ids), side_effects, len(turn.results), lost))
     assert lost == 0
-
-
-def settings_for(url: str) -> Settings:
-    return Settings(broker_url=url, result_backend=url, redis_url=url, visibility_timeout=8, claim_lease=2)
-
-
-def orchestrator(url: str, **kwargs: object) -> Orchestrator:
-    registry = Registry.from_modules([TOOLS])
-    return Orchestrator(registry, create_app(settings_for(url), registry), **kwargs)  # type: ignore[arg-type]
-
-
-def call(i: int, name: str, **args: object) -> ToolCall:
-    return ToolCall(id=f"call_{i}", name=name, arguments_raw=json.dumps(args), index=i)
-
-
-def effects(client: redis.Redis, key: str) -> int:
-    return int(client.get(f"tc-test:effects:{key}") or 0)
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    end = time.time() + timeout
-    while time.time() < end:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def run_in_thread(fn, *args):
-    box: dict = {}
-    thread = threading.Thread(target=lambda: box.setdefault("value", fn(*args)), daemon=True)
-    thread.start()
-    return thread, box
 
 
 def test_worker_sigkilled_mid_call_for_each_side_effect_class(start_worker, redis_url, clean_redis):
@@ -147,7 +108,7 @@ def test_redis_restarted_between_dispatch_and_collect(start_worker, redis_server
 
 ORCHESTRATOR_SCRIPT = """
 import json, sys
-from tests.test_faults import orchestrator, call
+from tests.cluster_helpers import orchestrator, call
 orch = orchestrator(sys.argv[1])
 orch.run_calls("s-resume", [call(0, "effect_unsafe", key="k-o1", seconds=3), call(1, "effect_read", key="k-o2", seconds=3)])
 """

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -13,47 +12,25 @@ from base64 import b64encode
 
 import pytest
 
-from orchestrator import Orchestrator
+from tests.cluster_helpers import TOOLS, call, effects, orchestrator, run_in_thread, wait_for
 from tests.conftest import ROOT, free_port, worker_env
-from worker import ErrorCode, Registry, ToolCall
-from worker.celery_app import create_app
-from worker.config import Settings
+from worker import ErrorCode
 from worker.idempotency import PREFIX, idempotency_key
 
 pytestmark = pytest.mark.slow
-
-TOOLS = "tests.celery_tools"
-
-
-def orchestrator(url: str, **kwargs: object) -> Orchestrator:
-    settings = Settings(broker_url=url, result_backend=url, redis_url=url, visibility_timeout=8, claim_lease=2)
-    registry = Registry.from_modules([TOOLS])
-    return Orchestrator(registry, create_app(settings, registry), **kwargs)  # type: ignore[arg-type]
-
-
-def call(i: int, name: str, **args: object) -> ToolCall:
-    return ToolCall(id=f"call_{i}", name=name, arguments_raw=json.dumps(args), index=i)
-
-
-def effects(client, key: str) -> int:
-    return int(client.get(f"tc-test:effects:{key}") or 0)
 
 
 def test_cancel_stops_the_turn_and_unstarted_calls_never_start(start_worker, redis_url, clean_redis):
     start_worker(TOOLS, concurrency=1)
     orch = orchestrator(redis_url)
     calls = [call(0, "effect_read", key="c-running", seconds=3), call(1, "effect_unsafe", key="c-queued")]
-    box: dict = {}
-    thread = threading.Thread(target=lambda: box.setdefault("turn", orch.run_calls("s-cancel", calls, turn_id="t1")))
-    thread.start()
-    deadline = time.time() + 20
-    while effects(clean_redis, "c-running") == 0 and time.time() < deadline:
-        time.sleep(0.05)
+    thread, box = run_in_thread(orch.run_calls, "s-cancel", calls, turn_id="t1")
+    wait_for(lambda: effects(clean_redis, "c-running") == 1, 20, "the first call to start")
     cancelled_at = time.monotonic()
     orch.cancel("s-cancel", "t1")
     thread.join(10)
     assert time.monotonic() - cancelled_at < 2, "run_calls did not return promptly after cancel"
-    running, queued = box["turn"].results
+    running, queued = box["value"].results
     assert running.error.code == ErrorCode.CANCELLED
     assert queued.error.code == ErrorCode.NOT_EXECUTED
     time.sleep(3.5)  # the worker is free again: the queued call must still not run
@@ -125,14 +102,10 @@ def test_cancel_from_another_orchestrator_process_is_seen(start_worker, redis_ur
     start_worker(TOOLS, concurrency=1)
     waiting, other = orchestrator(redis_url), orchestrator(redis_url)
     calls = [call(0, "effect_read", key="r-running", seconds=8)]
-    box: dict = {}
-    thread = threading.Thread(target=lambda: box.setdefault("turn", waiting.run_calls("s-rc", calls, turn_id="t2")))
-    thread.start()
-    deadline = time.time() + 20
-    while effects(clean_redis, "r-running") == 0 and time.time() < deadline:
-        time.sleep(0.05)
+    thread, box = run_in_thread(waiting.run_calls, "s-rc", calls, turn_id="t2")
+    wait_for(lambda: effects(clean_redis, "r-running") == 1, 20, "the call to start")
     cancelled_at = time.monotonic()
     other.cancel("s-rc", "t2")  # only Redis carries this cancel to the waiting orchestrator
     thread.join(15)
     assert time.monotonic() - cancelled_at < 7, "a remote cancel must be seen within the poll interval"
-    assert box["turn"].results[0].error.code == ErrorCode.CANCELLED
+    assert box["value"].results[0].error.code == ErrorCode.CANCELLED

@@ -1,0 +1,56 @@
+"""Helpers for tests that run turns on the private Redis and real workers (tests/celery_tools.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from orchestrator import Orchestrator
+from worker import Registry, ToolCall
+from worker.celery_app import create_app
+from worker.config import Settings
+
+TOOLS = "tests.celery_tools"
+
+
+def settings_for(url: str) -> Settings:
+    """Settings matching the workers the fixtures start (see tests/conftest.py worker_env)."""
+    return Settings(broker_url=url, result_backend=url, redis_url=url, visibility_timeout=8, claim_lease=2)
+
+
+def orchestrator(url: str, **kwargs: Any) -> Orchestrator:
+    """An orchestrator on the test cluster with the test tools."""
+    registry = Registry.from_modules([TOOLS])
+    return Orchestrator(registry, create_app(settings_for(url), registry), **kwargs)
+
+
+def call(i: int, name: str, **args: object) -> ToolCall:
+    """The model's i-th call of a turn."""
+    return ToolCall(id=f"call_{i}", name=name, arguments_raw=json.dumps(args), index=i)
+
+
+def effects(client: redis.Redis, key: str) -> int:
+    """How many times a counting tool acted for `key`."""
+    return int(client.get(f"tc-test:effects:{key}") or 0)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def run_in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """Start `fn` in a thread; its return value lands in the box under "value"."""
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.setdefault("value", fn(*args, **kwargs)), daemon=True)
+    thread.start()
+    return thread, box
