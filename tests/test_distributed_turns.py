@@ -60,6 +60,22 @@ def test_calls_sharing_a_resource_run_serially(start_worker, redis_url, clean_re
     assert steps == ["start:0", "end:0", "start:1", "end:1", "start:2", "end:2"]
 
 
+def test_call_results_are_stored_once_by_key_not_per_task(start_worker, redis_url, clean_redis):
+    start_worker(TOOLS, concurrency=2)
+    orch = orchestrator(redis_url)
+    # A resource chain and a lone call: both shapes of header element reach the callback.
+    calls = [call(0, "serial_step", resource="f", label="a"), call(1, "serial_step", resource="f", label="b"),
+             call(2, "echo", text="c")]
+    turn = orch.run_calls("s-store-once", calls)
+    assert [r.content for r in turn.results] == ["a", "b", "c"]
+    record = orch.turns.record("s-store-once", turn.turn_id)
+    call_task_ids = {dc.task_id for dc in record.dispatched}
+    # The call tasks keep no result in the backend (ignore_result): the chord and the
+    # idempotency store have it; only the callback's result is there for the orchestrator.
+    assert not any(clean_redis.exists(f"celery-task-meta-{task_id}") for task_id in call_task_ids)
+    assert [raw is not None for raw in orch.runtime.store.results([dc.key for dc in record.dispatched])] == [True] * 3
+
+
 @pytest.mark.parametrize("size", [1, 64])
 def test_chord_of_one_and_of_64(start_worker, redis_url, size):
     start_worker(TOOLS, concurrency=4)

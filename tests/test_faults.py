@@ -72,8 +72,10 @@ def test_same_task_delivered_twice_concurrently(start_worker, redis_url, clean_r
             call=call(0, f"effect_{side_effect}", key=key, seconds=0.5), arguments={"key": key, "seconds": 0.5},
             key=f"idem-{key}", session_id="s-dup", turn_id="t-dup", deadline=time.time() + 60,
         ).model_dump(mode="json")
-        # Two deliveries of one call (as a redelivering broker would), in flight together.
-        pair = [app.signature(TASK_NAMES[side_effect], kwargs={"payload": payload}).apply_async() for _ in range(2)]
+        # Two deliveries of one call (as a redelivering broker would), in flight together. Call
+        # tasks keep no result of their own in the backend (the chord gets it): ask for one here.
+        pair = [app.signature(TASK_NAMES[side_effect], kwargs={"payload": payload}).apply_async(ignore_result=False)
+                for _ in range(2)]
         results = [r.get(timeout=30) for r in pair]
         assert results[0] == results[1]
         assert effects(clean_redis, key) == 1
