@@ -48,6 +48,24 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
+def _release_pending(backend: Any, task_ids: list[str]) -> None:
+    """Stop waiting for results that call tasks never store (they run with ignore_result).
+
+    Celery's Redis backend builds a GroupResult of the header in `apply_chord` only to inspect
+    it, and that registers every header task as a pending result and subscribes to its result
+    channel; those would stay for the life of the process, one per call. The registry is
+    private to Celery (celery>=5.7 is required), so this reaches into it, and only drops what
+    is there.
+    """
+    pending = getattr(backend, "_pending_results", None)
+    if pending is None:
+        return
+    for task_id in task_ids:
+        for mapping in pending:
+            for result in list(mapping.get(task_id, {}).values()):
+                backend.remove_pending_result(result)
+
+
 class _RemoteCancelClock:
     """Says when a waiting turn should next ask Redis for its cancel flag."""
 
@@ -190,6 +208,7 @@ class Orchestrator:
                                   queue=self.runtime.settings.default_queue)
         # chord() explicitly, never chain(group, body): a one-task group would unroll (pitfall 5).
         chord(header, body).apply_async()
+        _release_pending(self.app.backend, [dc.task_id for dc in record.dispatched])
         return body_id
 
     # -- finishing ----------------------------------------------------------------------------
@@ -210,15 +229,16 @@ class Orchestrator:
                     else self._unfinished(record, dc, reason)
                 )
         results = [by_id[call.id] for call in sorted(record.calls, key=lambda c: c.index)]
+        late_results, settled = self._late_results(record)
         turn = TurnResult(
             session_id=record.session_id,
             turn_id=record.turn_id,
             provider=record.provider,
             calls=record.calls,
             results=results,
-            late_results=self._late_results(record.session_id, exclude_turn=record.turn_id),
+            late_results=late_results,
         )
-        self.turns.finish(record, turn)
+        self.turns.finish(record, turn, settled)
         self._cancelled_here.discard((record.session_id, record.turn_id))
         return turn
 
@@ -247,20 +267,18 @@ class Orchestrator:
         )
         return errors.error_result(dc.call, error)
 
-    def _late_results(self, session_id: str, exclude_turn: str) -> list[ToolResult]:
-        pending = [late for late in self.turns.late(session_id) if late.turn_id != exclude_turn]
+    def _late_results(self, record: TurnRecord) -> tuple[list[ToolResult], list[str]]:
+        """Results that arrived for earlier turns' late calls, and those calls' keys."""
+        pending = [late for late in record._late if late.turn_id != record.turn_id]
         if not pending:
-            return []
+            return [], []
         found: list[ToolResult] = []
-        done: list[str] = []
+        settled: list[str] = []
         for late, raw in zip(pending, self._stored_results([p.key for p in pending]), strict=True):
-            if raw is None:
-                continue
-            result = ToolResult.model_validate_json(raw).model_copy(update={"call_id": late.call.id})
-            found.append(result)
-            done.append(late.key)
-        self.turns.drop_late(session_id, done)
-        return found
+            if raw is not None:
+                found.append(ToolResult.model_validate_json(raw).model_copy(update={"call_id": late.call.id}))
+                settled.append(late.key)
+        return found, settled
 
     # -- running ------------------------------------------------------------------------------
 
@@ -269,13 +287,14 @@ class Orchestrator:
     ) -> TurnResult | tuple[TurnRecord, str]:
         """Plan and dispatch the turn (or find it): a finished TurnResult, or the record and callback id."""
         turn_id = turn_id or _digest(session_id, *(c.id for c in calls))
-        found = self.turns.find(session_id, turn_id)
+        found, late = self.turns.find(session_id, turn_id)
         if isinstance(found, TurnResult):
             return found
         record = found
         if record is None:
             record = self.plan(session_id, turn_id, calls, provider)
             self.turns.save(record)
+        record._late = tuple(late)
         # A resubmitted chord keeps task ids and keys: stored results return without running again.
         body_id = self._dispatch(record)
         if body_id is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 from worker.models import SideEffect, ToolCall, ToolResult
 from worker.registry import Provider
@@ -22,6 +22,15 @@ class DispatchedCall(BaseModel):
     side_effect: SideEffect
 
 
+class LateCall(BaseModel):
+    """A call whose turn ended before its result: its result is reported in a later turn."""
+
+    call: ToolCall
+    key: str
+    turn_id: str
+    reported: str = Field(description="The error code the model was given when the turn ended.")
+
+
 class TurnRecord(BaseModel):
     """The persisted plan of a turn: enough to resume it after an orchestrator restart."""
 
@@ -36,15 +45,9 @@ class TurnRecord(BaseModel):
     )
     deadline: float
     status: TurnStatus = "running"
-
-
-class LateCall(BaseModel):
-    """A call whose turn ended before its result: its result is reported in a later turn."""
-
-    call: ToolCall
-    key: str
-    turn_id: str
-    reported: str = Field(description="The error code the model was given when the turn ended.")
+    # The session's late calls as found when the turn started (not persisted): the turn reports
+    # those whose results have arrived when it ends, without reading the list again.
+    _late: tuple[LateCall, ...] = PrivateAttr(default=())
 
 
 class TurnResult(BaseModel):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Protocol
 
 import redis
@@ -24,11 +25,14 @@ class TurnStore(Protocol):
 
     def record(self, session_id: str, turn_id: str) -> TurnRecord | None: ...
 
-    def find(self, session_id: str, turn_id: str) -> TurnResult | TurnRecord | None:
-        """The turn's result when it finished, else its record when it exists."""
+    def find(self, session_id: str, turn_id: str) -> tuple[TurnResult | TurnRecord | None, list[LateCall]]:
+        """The turn's result when it finished, else its record when it exists; and the session's
+        late calls (one round trip for both: a turn needs them at its start and at its end)."""
         ...
 
-    def finish(self, record: TurnRecord, result: TurnResult) -> None: ...
+    def finish(self, record: TurnRecord, result: TurnResult, settled_late: Sequence[str] = ()) -> None:
+        """Store the turn's result and drop the late calls (by key) whose results it reported."""
+        ...
 
     def result(self, session_id: str, turn_id: str) -> TurnResult | None: ...
 
@@ -37,10 +41,6 @@ class TurnStore(Protocol):
     def cancelled(self, session_id: str, turn_id: str) -> bool: ...
 
     def add_late(self, session_id: str, late: LateCall) -> None: ...
-
-    def late(self, session_id: str) -> list[LateCall]: ...
-
-    def drop_late(self, session_id: str, keys: list[str]) -> None: ...
 
 
 class RedisTurnStore:
@@ -68,18 +68,24 @@ class RedisTurnStore:
         raw = self.redis.get(self._key(session_id, turn_id))
         return TurnRecord.model_validate_json(raw) if raw else None
 
-    def find(self, session_id: str, turn_id: str) -> TurnResult | TurnRecord | None:
-        result, record = self.redis.mget(self._key(session_id, turn_id, "result"), self._key(session_id, turn_id))
+    def find(self, session_id: str, turn_id: str) -> tuple[TurnResult | TurnRecord | None, list[LateCall]]:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.mget(self._key(session_id, turn_id, "result"), self._key(session_id, turn_id))
+        pipe.hvals(f"toolchord:late:{session_id}")
+        (result, record), late_values = pipe.execute()
+        late = [LateCall.model_validate_json(v) for v in late_values]
         if result is not None:
-            return TurnResult.model_validate_json(result)
-        return TurnRecord.model_validate_json(record) if record is not None else None
+            return TurnResult.model_validate_json(result), late
+        return (TurnRecord.model_validate_json(record) if record is not None else None), late
 
-    def finish(self, record: TurnRecord, result: TurnResult) -> None:
+    def finish(self, record: TurnRecord, result: TurnResult, settled_late: Sequence[str] = ()) -> None:
         done = record.model_copy(update={"status": "done"})
         pipe = self.redis.pipeline()
         pipe.set(self._key(record.session_id, record.turn_id), done.model_dump_json(), ex=self.ttl)
         pipe.set(self._key(record.session_id, record.turn_id, "result"), result.model_dump_json(), ex=self.ttl)
         pipe.delete(f"toolchord:turn:{record.session_id}:active")
+        if settled_late:
+            pipe.hdel(f"toolchord:late:{record.session_id}", *settled_late)
         pipe.execute()
 
     def result(self, session_id: str, turn_id: str) -> TurnResult | None:
@@ -97,14 +103,6 @@ class RedisTurnStore:
         pipe.hset(f"toolchord:late:{session_id}", late.key, late.model_dump_json())
         pipe.expire(f"toolchord:late:{session_id}", self.ttl)
         pipe.execute()
-
-    def late(self, session_id: str) -> list[LateCall]:
-        values = self.redis.hvals(f"toolchord:late:{session_id}")
-        return [LateCall.model_validate_json(v) for v in values]
-
-    def drop_late(self, session_id: str, keys: list[str]) -> None:
-        if keys:
-            self.redis.hdel(f"toolchord:late:{session_id}", *keys)
 
 
 class MemoryTurnStore:
@@ -137,14 +135,18 @@ class MemoryTurnStore:
         with self._lock:
             return self._records.get((session_id, turn_id))
 
-    def find(self, session_id: str, turn_id: str) -> TurnResult | TurnRecord | None:
+    def find(self, session_id: str, turn_id: str) -> tuple[TurnResult | TurnRecord | None, list[LateCall]]:
         with self._lock:
             key = (session_id, turn_id)
-            return self._results.get(key) or self._records.get(key)
+            late = list(self._late.get(session_id, {}).values())
+            return self._results.get(key) or self._records.get(key), late
 
-    def finish(self, record: TurnRecord, result: TurnResult) -> None:
+    def finish(self, record: TurnRecord, result: TurnResult, settled_late: Sequence[str] = ()) -> None:
         with self._lock:
             key = (record.session_id, record.turn_id)
+            pending = self._late.get(record.session_id, {})
+            for late_key in settled_late:
+                pending.pop(late_key, None)
             self._records[key] = record.model_copy(update={"status": "done"})
             self._results[key] = result
             self._cancelled.discard(key)
@@ -169,13 +171,3 @@ class MemoryTurnStore:
     def add_late(self, session_id: str, late: LateCall) -> None:
         with self._lock:
             self._late.setdefault(session_id, {})[late.key] = late
-
-    def late(self, session_id: str) -> list[LateCall]:
-        with self._lock:
-            return list(self._late.get(session_id, {}).values())
-
-    def drop_late(self, session_id: str, keys: list[str]) -> None:
-        with self._lock:
-            pending = self._late.get(session_id, {})
-            for key in keys:
-                pending.pop(key, None)

@@ -60,5 +60,13 @@ def test_tiny_run_writes_report_and_cleans_up(tmp_path: Path) -> None:
     }
     assert all(t["turns_per_s"] > 0 for t in result["throughput"].values())
     assert set(result["p50_ratio"]) == {"toolchord", "toolchord-nosandbox"}
+    # The targets are judged on the runs that do the bare chord's work (no sandbox), both paths.
+    assert set(result["targets_met"]) == {
+        "p50:toolchord-nosandbox", "throughput:toolchord-nosandbox", "throughput:toolchord-nosandbox+asyncio"
+    }
+    assert result["sandbox_p50_ms"] == round(
+        result["latency"]["toolchord"]["p50_ms"] - result["latency"]["toolchord-nosandbox"]["p50_ms"], 2
+    )
+    assert "targets (without sandbox): " in completed.stdout
     assert set(result["throughput_ratio"]) == set(result["throughput"]) - {"bare"}
     assert all(cost["commands_per_turn"] > 0 for cost in result["redis"].values())

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.cluster_helpers import TOOLS, call, orchestrator
+from tests.cluster_helpers import TOOLS, call, orchestrator, wait_for
 from worker import ErrorCode
 
 pytestmark = pytest.mark.slow
@@ -74,6 +74,8 @@ def test_call_results_are_stored_once_by_key_not_per_task(start_worker, redis_ur
     # idempotency store have it; only the callback's result is there for the orchestrator.
     assert not any(clean_redis.exists(f"celery-task-meta-{task_id}") for task_id in call_task_ids)
     assert [raw is not None for raw in orch.runtime.store.results([dc.key for dc in record.dispatched])] == [True] * 3
+    # Nor does the orchestrator stay subscribed to result channels that will never carry anything.
+    wait_for(lambda: not clean_redis.pubsub_channels("celery-task-meta-tc-*"), 5, "result channels to be released")
 
 
 @pytest.mark.parametrize("size", [1, 64])

@@ -13,7 +13,15 @@ import time
 import pytest
 
 from orchestrator.turn import TurnResult
-from tests.cluster_helpers import TOOLS, call, effects, orchestrator, run_in_thread, settings_for, wait_for
+from tests.cluster_helpers import (
+    TOOLS,
+    call,
+    effects,
+    orchestrator,
+    run_in_thread,
+    settings_for,
+    wait_for,
+)
 from tests.conftest import ROOT, worker_env
 from worker import ErrorCode, Registry
 from worker.celery_app import create_app

@@ -12,7 +12,6 @@ import pytest
 
 from orchestrator.pipeline import Pipeline
 from orchestrator.providers import get_adapter
-from orchestrator.providers.anthropic_messages import INVALID_JSON_KEY
 from tests import pipeline_tools as t
 from worker import ErrorCode, Registry, ToolCall, ToolSpec, tool
 from worker.idempotency import idempotency_key

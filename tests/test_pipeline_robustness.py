@@ -290,7 +290,7 @@ def test_embedded_stores_stay_bounded() -> None:
         record = TurnRecord(session_id="s", turn_id=f"t{i}", provider="chat", calls=[], deadline=0)
         turns.save(record)
         turns.finish(record, TurnResult(session_id="s", turn_id=f"t{i}", provider="chat", calls=[], results=[]))
-    assert turns.find("s", "t0") is None and turns.find("s", "t9") is not None
+    assert turns.find("s", "t0")[0] is None and turns.find("s", "t9")[0] is not None
     assert len(turns._records) == len(turns._results) == 3
 
     store = MemoryIdempotencyStore()

@@ -20,7 +20,6 @@ from celery import Celery, Task
 from pydantic import ValidationError
 
 from worker import errors
-from worker.worker_runtime import WorkerRuntime, runtime_of
 from worker.context import ToolContext
 from worker.execution import HandlerOutcome
 from worker.idempotency import Claim, ClaimState
@@ -29,6 +28,7 @@ from worker.payloads import CallPayload, CallRef
 from worker.results import result_from_outcome
 from worker.runner import run_handler, unavailable_tool_result
 from worker.tools import ToolSpec
+from worker.worker_runtime import WorkerRuntime, runtime_of
 
 log = logging.getLogger("toolchord.worker")
 
@@ -186,13 +186,15 @@ class CallExecution:
         return countdown
 
     def _store(self, token: str, result: ToolResult) -> ToolResult:
+        result_json = result.model_dump_json()
         try:
-            stored = self.rt.store.complete(self.p.key, token, result.model_dump_json(), self.ttl)
+            stored = self.rt.store.complete(self.p.key, token, result_json, self.ttl)
         except redis.RedisError:
             # The handler already ran: hand its result back through the chord even if it cannot be stored.
             log.warning("could not store the result of call %s; returning it unstored", self.call.id)
             return result
-        return self._for_this_call(stored)
+        # Usually ours; another delivery's (or another call's, with a business key) if it stored first.
+        return result if stored == result_json else self._for_this_call(stored)
 
     def _for_this_call(self, stored_json: str) -> ToolResult:
         """A stored result, re-addressed to this call: a business key may have stored another call's."""
