@@ -3,13 +3,16 @@
 Run with `python -m bench.sandbox [--calls N]`. Prints the active layers, the median time of a
 trivial handler called in-process, through the zygote and through a direct fork of this process,
 and the median overhead of each sandboxed path against the 5 ms target. The two sandboxed paths
-are sampled alternately, so load from other processes affects both alike.
+are sampled alternately, so load from other processes affects both alike. Last, the CPU time one
+zygote call costs summed over every process (worker, zygote, child, kernel), read from the
+machine-wide counters in /proc/stat: on an otherwise idle machine that is the sandbox's CPU price.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import statistics
 import time
 
@@ -31,6 +34,14 @@ def _timed_ms(run: object) -> float:
     start = time.perf_counter()
     run()  # type: ignore[operator]
     return (time.perf_counter() - start) * 1000
+
+
+def _busy_seconds() -> float:
+    """CPU time the whole machine has spent busy (not idle or waiting for I/O) since boot."""
+    with open("/proc/stat") as stat:
+        ticks = [int(value) for value in stat.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]
+    return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -69,6 +80,13 @@ def main() -> None:
         for name, enabled in paths.items():
             set_zygote_enabled(enabled)
             samples[name].append(_timed_ms(lambda: run_isolated(spec, args, context)))
+    set_zygote_enabled(True)
+    busy_before = _busy_seconds()
+    for _ in range(options.calls):
+        run_isolated(spec, args, context)
+    # Let the last children exit and be reaped before reading the counters again.
+    time.sleep(0.2)
+    cpu_ms = (_busy_seconds() - busy_before) / options.calls * 1000
     set_zygote_enabled(None)
     print(f"layers applied per call: {', '.join(outcome.sandbox_layers)}")
     print(
@@ -82,6 +100,8 @@ def main() -> None:
             f"run_isolated, {name + ':':12s} median {median:8.3f} ms, overhead {overhead:8.3f} ms "
             f"({verdict} the {TARGET_MS:g} ms target)"
         )
+    print(f"CPU per zygote call, all processes: {cpu_ms:8.3f} ms over {options.calls} calls "
+          "(machine-wide counters: other load on the machine counts too)")
 
 
 if __name__ == "__main__":

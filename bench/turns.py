@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -108,9 +109,13 @@ class Throughput(BaseModel):
 
 
 class RedisCost(BaseModel):
-    """Redis server counters over sequential turns (worker, orchestrator and Celery traffic together)."""
+    """Redis server counters over sequential turns (worker, orchestrator and Celery traffic together),
+    and the CPU time each process spent on them."""
 
     turns: int
+    cpu_ms_per_turn: dict[str, float] = Field(
+        description="CPU time (user + system) per turn of the orchestrator (this process), the worker "
+        "(main process, pool processes and sandboxes) and redis-server.")
     commands_per_turn: float
     reads_per_turn: float = Field(description="Socket read events: about one per client round trip.")
     top_commands_per_turn: dict[str, float]
@@ -277,22 +282,62 @@ def _server_counters(client: redis.Redis) -> tuple[int, int, dict[str, int]]:
     return int(stats["total_commands_processed"]), int(stats["total_reads_processed"]), commands
 
 
-def measure_redis(runner: TurnRunner, client: redis.Redis, params: Parameters) -> dict[int, dict[Variant, RedisCost]]:
-    """Redis commands and round trips per sequential turn (includes idle worker polling: small)."""
+def _process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process has used, its reaped children included."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree_cpu(root: int) -> float:
+    """CPU seconds used by a process and all its live descendants (with the children they reaped).
+
+    Descendants, not the process group: the sandbox zygote runs in a session of its own.
+    """
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # the process ended while we looked
+            children.setdefault(parent, []).append(int(entry.name))
+    total, pending = 0.0, [root]
+    while pending:
+        pid = pending.pop()
+        try:
+            total += _process_cpu(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+        pending.extend(children.get(pid, []))
+    return total
+
+
+def _cpu_now(worker_pid: int, redis_pid: int) -> dict[str, float]:
+    return {"orchestrator": time.process_time(), "worker": _tree_cpu(worker_pid), "redis": _process_cpu(redis_pid)}
+
+
+def measure_redis(runner: TurnRunner, client: redis.Redis, params: Parameters, worker_pid: int,
+                  redis_pid: int) -> dict[int, dict[Variant, RedisCost]]:
+    """Redis commands, round trips and CPU per sequential turn (includes idle worker polling: small)."""
     costs: dict[int, dict[Variant, RedisCost]] = {s: {} for s in params.sizes}
     if params.redis_stats_turns == 0:
         return costs
     for size in params.sizes:
         for variant in VARIANTS:
+            # Garbage from the phases before is not this cell's cost.
+            gc.collect()
             client.config_resetstat()
+            cpu_before = _cpu_now(worker_pid, redis_pid)
             for _ in range(params.redis_stats_turns):
                 runner.run(variant, size)
+            cpu_after = _cpu_now(worker_pid, redis_pid)
             # INFO itself is counted: subtract the two reads and commands it costs.
             commands, reads, per_command = _server_counters(client)
             n = params.redis_stats_turns
             top = sorted(per_command.items(), key=lambda kv: -kv[1])[:8]
             costs[size][variant] = RedisCost(
                 turns=n,
+                cpu_ms_per_turn={k: round((cpu_after[k] - cpu_before[k]) / n * 1000, 2) for k in cpu_before},
                 commands_per_turn=round((commands - 2) / n, 1),
                 reads_per_turn=round((reads - 2) / n, 1),
                 top_commands_per_turn={k: round(v / n, 1) for k, v in top if k not in ("info", "config|resetstat")},
@@ -391,12 +436,15 @@ def render(report: Report) -> str:
                 tail = f"{ratio:>8.2f}  {_verdict(result, 'throughput', name)}" if ratio is not None else ""
                 lines.append(f"{result.size:>4}  {label:<30}{thr.turns_per_s:>9.1f}{thr.calls_per_s:>9.1f}{tail}")
     if params.redis_stats_turns:
-        lines += ["", f"== Redis server work per turn ({params.redis_stats_turns} sequential turns; all clients)",
-                  f"{'size':>4}  {'variant':<22}{'cmds':>7}{'reads':>7}  top commands per turn"]
+        lines += ["", (f"== Redis work and CPU per turn ({params.redis_stats_turns} sequential turns; Redis counts "
+                       "all clients; CPU ms of orchestrator / worker incl. sandboxes / redis-server)"),
+                  f"{'size':>4}  {'variant':<22}{'cmds':>7}{'reads':>7}{'CPU ms o/w/r':>20}  top commands per turn"]
         for result in report.results:
             for variant, cost in result.redis.items():
-                top = ", ".join(f"{k} {v:g}" for k, v in list(cost.top_commands_per_turn.items())[:6])
-                lines.append(f"{result.size:>4}  {variant:<22}{cost.commands_per_turn:>7.1f}{cost.reads_per_turn:>7.1f}  {top}")
+                top = ", ".join(f"{k} {v:g}" for k, v in list(cost.top_commands_per_turn.items())[:5])
+                cpu = "/".join(f"{v:.1f}" for v in cost.cpu_ms_per_turn.values())
+                lines.append(f"{result.size:>4}  {variant:<22}{cost.commands_per_turn:>7.1f}{cost.reads_per_turn:>7.1f}"
+                             f"{cpu:>20}  {top}")
     missed = [f"{figure} at {result.size} calls" for result in report.results
               for figure, met in result.targets_met.items() if not met]
     lines.append("\ntargets (without sandbox): " + (f"MISSED: {', '.join(missed)}" if missed else "all met"))
@@ -458,7 +506,8 @@ def run(params: Parameters, workdir: Path) -> Report:
         _progress(f"latency done at {time.perf_counter() - started:.1f} s; measuring throughput")
         rates = measure_throughput(runner, params, loop)
         _progress(f"throughput done at {time.perf_counter() - started:.1f} s; counting Redis commands")
-        costs = measure_redis(runner, client, params)
+        assert worker.proc is not None and server.proc is not None  # both started above
+        costs = measure_redis(runner, client, params, worker.proc.pid, server.proc.pid)
         return Report(
             environment=environment(client),
             parameters=params,
@@ -483,11 +532,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Parameters, Path | None]:
     parser.add_argument("--turns-per-round", type=int, default=16, help="latency samples per variant, size and round")
     parser.add_argument("--concurrency", type=int, default=2, help="prefork pool processes of the worker (default 2)")
     parser.add_argument("--inflight", type=int, default=4, help="turns in flight in the throughput phase (default 4)")
-    parser.add_argument("--pipeline-calls", type=int, default=32,
+    parser.add_argument("--pipeline-calls", type=int, default=256,
                         help="calls per variant, size and round in the throughput phase, at least 2 x inflight "
-                             "turns (default 32; 0 skips the phase)")
+                             "turns (default 256; 0 skips the phase)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up turns per variant before measuring")
-    parser.add_argument("--redis-stats-turns", type=int, default=10,
+    parser.add_argument("--redis-stats-turns", type=int, default=40,
                         help="sequential turns per variant and size counted in Redis (0 skips it)")
     parser.add_argument("--json", type=Path, help="also write the report as JSON to this path")
     options = parser.parse_args(argv)

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -208,12 +209,16 @@ class JsonlEventLog:
     """One `<session>.jsonl` file per session under `directory` (embedded mode).
 
     Each event is written with a single O_APPEND write and fsync, so a crash leaves at most one
-    partial last line, which `read` ignores (it was never acknowledged to the caller).
+    partial last line, which `read` ignores (it was never acknowledged to the caller) and the next
+    `append` cuts off before writing. Appends know each file's size and event count from the last
+    append, so they read the file only when it changed behind their back.
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         self.directory = Path(directory or os.environ.get(LOG_DIR_ENV) or DEFAULT_LOG_DIR)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._known: dict[Path, tuple[int, int]] = {}  # path -> (size, events) after our last append
 
     def path(self, session_id: str) -> Path:
         return self.directory / f"{_check_session_id(session_id)}.jsonl"
@@ -221,13 +226,26 @@ class JsonlEventLog:
     def append(self, session_id: str, event: BaseModel) -> int:
         path = self.path(session_id)
         line = (encode_event(event) + "\n").encode()
-        seq = len(self._lines(path))
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, line)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with self._lock:
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                size = os.fstat(fd).st_size
+                known = self._known.get(path)
+                if known is not None and known[0] == size:
+                    seq = known[1]
+                else:
+                    data = os.pread(fd, size, 0)
+                    complete = data[: data.rfind(b"\n") + 1]
+                    if len(complete) != size:
+                        # A torn last line from a crash: appending after it would glue the two.
+                        os.ftruncate(fd, len(complete))
+                        size = len(complete)
+                    seq = sum(1 for part in complete.split(b"\n") if part)
+                os.write(fd, line)
+                os.fsync(fd)
+                self._known[path] = (size + len(line), seq + 1)
+            finally:
+                os.close(fd)
         return seq
 
     def read(self, session_id: str) -> list[Event]:

@@ -18,6 +18,7 @@ from celery import Celery, chain, chord, states
 from celery.canvas import Signature
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
+from orchestrator.cancel_signals import announce_cancel, listen_for_cancels
 from orchestrator.pipeline import PermissionHook, PreparedCall, prepare_call
 from orchestrator.providers import get_adapter
 from orchestrator.turn import DispatchedCall, LateCall, TurnRecord, TurnResult
@@ -38,9 +39,10 @@ _SOFT_LIMIT_SLACK = 5.0
 _HARD_LIMIT_SLACK = 10.0
 # How long one wait for a turn's result lasts before the turn looks at its cancel state again.
 _CANCEL_POLL = 0.25
-# How often a waiting turn asks Redis whether another process cancelled it (cancels made through
-# this orchestrator are seen at the next wait slice without asking Redis): one EXISTS per waiting
-# turn per second adds up at a thousand waiting turns.
+# How often a waiting turn reads its cancel flag in Redis. Cancels made here, and cancels that
+# other processes announce on the cancel channel, are seen at the next wait slice without it; the
+# read covers an announcement lost to a reconnect. One EXISTS per waiting turn per second adds up
+# at a thousand waiting turns.
 _REMOTE_CANCEL_POLL = 5.0
 
 
@@ -104,7 +106,11 @@ class Orchestrator:
             MemoryTurnStore() if self.runtime.redis is None else RedisTurnStore(self.runtime.redis, settings.result_ttl)
         )
         self._waiters: dict[asyncio.AbstractEventLoop, ResultWaiter] = {}
+        # Turns waited on here, and those of them known to be cancelled (by this orchestrator or
+        # announced by another process): the waiting loops check the set at every slice.
+        self._waiting: set[tuple[str, str]] = set()
         self._cancelled_here: set[tuple[str, str]] = set()
+        self._listening = False
         if settings.embedded:
             self.runtime.registry.add_missing(registry)
             self.runtime.start_embedded_worker(self.app)
@@ -239,6 +245,7 @@ class Orchestrator:
             late_results=late_results,
         )
         self.turns.finish(record, turn, settled)
+        self._waiting.discard((record.session_id, record.turn_id))
         self._cancelled_here.discard((record.session_id, record.turn_id))
         return turn
 
@@ -295,11 +302,35 @@ class Orchestrator:
             record = self.plan(session_id, turn_id, calls, provider)
             self.turns.save(record)
         record._late = tuple(late)
-        # A resubmitted chord keeps task ids and keys: stored results return without running again.
-        body_id = self._dispatch(record)
+        turn = (session_id, turn_id)
+        self._listen_for_cancels()
+        self._waiting.add(turn)
+        try:
+            # A resubmitted chord keeps task ids and keys: stored results return without running again.
+            body_id = self._dispatch(record)
+        except BaseException:
+            self._waiting.discard(turn)
+            raise
         if body_id is None:
             return self._finish(record, [], "")
         return record, body_id
+
+    def _listen_for_cancels(self) -> None:
+        """Start hearing other processes' cancel announcements (once; distributed mode only)."""
+        if self._listening or self.runtime.redis is None:
+            return
+        try:
+            listen_for_cancels(self.runtime.redis, self)
+        except redis.RedisError as exc:
+            # Remote cancels are then seen through the flag poll alone; the next turn retries.
+            log.warning("cannot listen for turn cancels yet: %s", exc)
+        else:
+            self._listening = True
+
+    def heard_cancel(self, session_id: str, turn_id: str) -> None:
+        """Another process cancelled a turn (called from the cancel listener's thread)."""
+        if (session_id, turn_id) in self._waiting:
+            self._cancelled_here.add((session_id, turn_id))
 
     @staticmethod
     def _wait_slice(record: TurnRecord, most: float) -> float:
@@ -410,11 +441,14 @@ class Orchestrator:
     def cancel(self, session_id: str, turn_id: str) -> None:
         """Stop a turn: its waiting `run_*` returns promptly; unstarted calls will not start.
 
-        A turn waited on by this orchestrator stops within a wait slice; one waited on by another
-        orchestrator process within a few seconds (it polls the flag in Redis).
+        A turn waited on by any orchestrator process stops within a wait slice (a quarter second
+        for `run_*`, a second for `arun_*`): the flag is set in Redis and announced on the cancel
+        channel. Should the announcement be lost, the waiting process reads the flag within 5 s.
         """
         self._cancelled_here.add((session_id, turn_id))
         self.turns.cancel(session_id, turn_id)
+        if self.runtime.redis is not None:
+            announce_cancel(self.runtime.redis, session_id, turn_id)
         record = self.turns.record(session_id, turn_id)
         if record is not None:
             for dc in record.dispatched:

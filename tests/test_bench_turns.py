@@ -70,3 +70,7 @@ def test_tiny_run_writes_report_and_cleans_up(tmp_path: Path) -> None:
     assert "targets (without sandbox): " in completed.stdout
     assert set(result["throughput_ratio"]) == set(result["throughput"]) - {"bare"}
     assert all(cost["commands_per_turn"] > 0 for cost in result["redis"].values())
+    for cost in result["redis"].values():
+        assert set(cost["cpu_ms_per_turn"]) == {"orchestrator", "worker", "redis"}
+        # Every turn runs tasks on the worker: its CPU cannot be zero (a zero means it was not read).
+        assert cost["cpu_ms_per_turn"]["worker"] > 0

@@ -60,6 +60,21 @@ def test_a_torn_last_line_is_ignored(tmp_path: Path, provider: str) -> None:
     assert_provider_accepts(provider, request)
 
 
+def test_an_append_after_a_torn_line_starts_a_clean_line(tmp_path: Path) -> None:
+    log = JsonlEventLog(tmp_path)
+    write_conversation(log, "s", "chat", turns=1)
+    before = log.read("s")
+    with open(log.path("s"), "ab") as handle:
+        handle.write(b'{"type":"call_result","turn_id":"turn-1","res')
+    # A new process (no knowledge of the file) appends after the crash, then appends again.
+    restarted = JsonlEventLog(tmp_path)
+    assert restarted.append("s", before[0]) == len(before)
+    assert restarted.append("s", before[1]) == len(before) + 1
+    assert log.read("s") == [*before, before[0], before[1]]
+    # The first instance sees the file changed behind its back and counts again.
+    assert log.append("s", before[2]) == len(before) + 2
+
+
 def _synthesized(log: JsonlEventLog) -> dict[str, ToolResult]:
     return {e.result.name: e.result for e in log.read("s") if isinstance(e, CallResult) and e.synthesized}
 

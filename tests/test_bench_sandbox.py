@@ -1,0 +1,28 @@
+"""Smoke test of `bench.sandbox`: a short run prints each path's time and the CPU a call costs."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from bench.processes import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_short_run_reports_wall_time_and_cpu_per_call() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.sandbox", "--calls", "5"],
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    out = completed.stdout
+    for path in ("zygote:", "direct fork:"):
+        assert re.search(rf"run_isolated, {path}\s+median\s+\d+\.\d+ ms", out), out
+    cpu = re.search(r"CPU per zygote call, all processes:\s+(\d+\.\d+) ms over 5 calls", out)
+    assert cpu is not None, out
+    # A forked, confined child per call cannot be free: a zero would mean the counters were not read.
+    assert float(cpu.group(1)) > 0
