@@ -27,7 +27,7 @@ from orchestrator.waiting import PollingResultWaiter, RedisResultWaiter, ResultW
 from worker import errors
 from worker.celery_app import WorkerRuntime, create_app, runtime_of
 from worker.config import Settings
-from worker.models import ToolCall, ToolResult
+from worker.models import ErrorCode, ToolCall, ToolResult
 from worker.payloads import CallPayload, CallRef, cancel_scope
 from worker.registry import Provider, Registry
 from worker.tasks import COLLECT_TASK, TASK_NAMES
@@ -66,6 +66,10 @@ def _release_pending(backend: Any, task_ids: list[str]) -> None:
         for mapping in pending:
             for result in list(mapping.get(task_id, {}).values()):
                 backend.remove_pending_result(result)
+
+
+def _is_unknown(result: ToolResult) -> bool:
+    return result.error is not None and result.error.code == ErrorCode.OUTCOME_UNKNOWN
 
 
 class _RemoteCancelClock:
@@ -226,14 +230,21 @@ class Orchestrator:
             result = ToolResult.model_validate(item)
             by_id.setdefault(result.call_id, result)
         missing = [dc for dc in record.dispatched if dc.call.id not in by_id]
+        unfinished: set[str] = set()
         if missing:
             stored = self._stored_results([dc.key for dc in missing])
             for dc, raw in zip(missing, stored, strict=True):
-                by_id[dc.call.id] = (
-                    ToolResult.model_validate_json(raw).model_copy(update={"call_id": dc.call.id})
-                    if raw is not None
-                    else self._unfinished(record, dc, reason)
-                )
+                if raw is not None:
+                    by_id[dc.call.id] = ToolResult.model_validate_json(raw).model_copy(update={"call_id": dc.call.id})
+                else:
+                    by_id[dc.call.id] = self._unfinished(record, dc, reason)
+                    unfinished.add(dc.call.id)
+        for dc in record.dispatched:
+            # An unsafe call reported OUTCOME_UNKNOWN may still have its real result stored later
+            # (its first attempt was slow, not lost): watch for it like any late call.
+            if dc.call.id not in unfinished and dc.side_effect == "unsafe" and _is_unknown(by_id[dc.call.id]):
+                self.turns.add_late(record.session_id, LateCall(
+                    call=dc.call, key=dc.key, turn_id=record.turn_id, reported=ErrorCode.OUTCOME_UNKNOWN.value))
         results = [by_id[call.id] for call in sorted(record.calls, key=lambda c: c.index)]
         late_results, settled = self._late_results(record)
         turn = TurnResult(
@@ -282,9 +293,13 @@ class Orchestrator:
         found: list[ToolResult] = []
         settled: list[str] = []
         for late, raw in zip(pending, self._stored_results([p.key for p in pending]), strict=True):
-            if raw is not None:
-                found.append(ToolResult.model_validate_json(raw).model_copy(update={"call_id": late.call.id}))
-                settled.append(late.key)
+            if raw is None:
+                continue
+            result = ToolResult.model_validate_json(raw).model_copy(update={"call_id": late.call.id})
+            if late.reported == ErrorCode.OUTCOME_UNKNOWN.value and _is_unknown(result):
+                continue  # still the stand-in the model was given: no news yet
+            found.append(result)
+            settled.append(late.key)
         return found, settled
 
     # -- running ------------------------------------------------------------------------------

@@ -6,6 +6,9 @@ observed, results returned, lost (calls without exactly one result) — lost mus
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -158,6 +161,35 @@ def test_late_result_reported_in_next_turn(start_worker, redis_url, clean_redis)
     third = orch.run_calls("s-late", [call(2, "echo", text="again")])
     assert third.late_results == []
     record("turn deadline passed, result arrived late", first, effects(clean_redis, "k-late"))
+
+
+def test_stalled_worker_unsafe_call_reported_unknown_then_its_real_result(start_worker, redis_url, clean_redis):
+    stalled = start_worker(TOOLS, concurrency=1, name="stalled")
+    orch = orchestrator(redis_url)
+    thread, box = run_in_thread(orch.run_calls, "s-stall", [call(0, "effect_unsafe", key="k-stall", seconds=1)])
+    wait_for(lambda: effects(clean_redis, "k-stall") == 1, 20, "the handler to start")
+    # Freeze the whole worker (not its sandbox child, which finishes the call meanwhile): its lease
+    # lapses and, after the visibility timeout, another worker gets the message again.
+    os.killpg(stalled.proc.pid, signal.SIGSTOP)
+    try:
+        start_worker(TOOLS, concurrency=1, name="other")
+        thread.join(60)
+        turn: TurnResult = box["value"]
+        # The redelivery sees a start and no live claim: the outcome is unknown, the call is not re-run.
+        assert turn.results[0].error.code == ErrorCode.OUTCOME_UNKNOWN
+        assert effects(clean_redis, "k-stall") == 1
+    finally:
+        os.killpg(stalled.proc.pid, signal.SIGCONT)
+    # The stalled worker wakes up with the real result: it replaces the stand-in, and the session's
+    # next turn reports it as a late result, once.
+    key = orch.turns.record("s-stall", turn.turn_id).dispatched[0].key
+    wait_for(lambda: json.loads(orch.runtime.store.result(key) or "{}").get("status") == "ok", 30,
+             "the real result to be stored")
+    second = orch.run_calls("s-stall", [call(1, "echo", text="next")])
+    assert [(r.call_id, r.status, r.content) for r in second.late_results] == [("call_0", "ok", "1")]
+    assert orch.run_calls("s-stall", [call(2, "echo", text="again")]).late_results == []
+    assert effects(clean_redis, "k-stall") == 1
+    record("worker stalled (SIGSTOP) mid-call, unsafe", turn, effects(clean_redis, "k-stall"))
 
 
 def test_business_key_dedupes_across_turns(start_worker, redis_url, clean_redis):

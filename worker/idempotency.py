@@ -8,7 +8,10 @@ Each key has up to four records:
 - `claim`   the live owner's token, expiring with the lease unless renewed;
 - `started` set when a claim is taken and kept with the result TTL: a later claimer that finds it
             knows an earlier attempt began and may have acted (worker lost);
-- `cancel`  a cooperative cancel flag the orchestrator sets; a worker that sees it does not start.
+- `cancel`  a cooperative cancel flag the orchestrator sets; a worker that sees it does not start;
+- `provisional` set beside a result that stands in for an outcome nobody saw (`OUTCOME_UNKNOWN`
+            stored by a redelivery while the first attempt looked lost): if that first attempt
+            comes back after all, its real result replaces the stand-in.
 
 `RedisIdempotencyStore` is the distributed one (Lua scripts keep each step atomic);
 `MemoryIdempotencyStore` serves the embedded mode, where worker and orchestrator share a process.
@@ -22,7 +25,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import redis
 from pydantic import BaseModel
@@ -68,15 +71,18 @@ class IdempotencyStore(Protocol):
 
     def renew(self, key: str, token: str, lease: float) -> bool: ...
 
-    def complete(self, key: str, token: str, result_json: str, ttl: int) -> str:
+    def complete(self, key: str, token: str, result_json: str, ttl: int, *, provisional: bool = False) -> str:
         """Store the result unless one is stored already (first wins); release the claim.
 
         Returns the stored result, so a late duplicate reports what the first attempt reported.
+        A `provisional` result (an outcome nobody observed) gives way to the real result of the
+        attempt that started first, should it ever arrive.
         """
         ...
 
     def release(self, key: str, token: str, *, forget_start: bool) -> None:
-        """Give the claim up without a result (before a retry); `forget_start` when nothing ran."""
+        """Give the claim up without a result (before a retry); `forget_start` when nothing ran in
+        this attempt (an earlier attempt's start is never forgotten)."""
         ...
 
     def result(self, key: str) -> str | None: ...
@@ -95,10 +101,10 @@ local result = redis.call('GET', KEYS[1])
 if result then return {'stored', result} end
 if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then return {'cancelled', false} end
 if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local before = redis.call('GET', KEYS[3])
-  redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[3])
-  if before then return {'reclaimed', false} end
-  return {'claimed', false}
+  -- `started` keeps the token of the attempt that started first: only it may replace a
+  -- provisional result later.
+  if redis.call('SET', KEYS[3], ARGV[1], 'NX', 'EX', ARGV[3]) then return {'claimed', false} end
+  return {'reclaimed', false}
 end
 return {'busy', false}
 """
@@ -111,7 +117,12 @@ return 0
 """
 
 _COMPLETE = """
-redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ARGV[3])
+if redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ARGV[3]) then
+  if ARGV[4] == '1' then redis.call('SET', KEYS[4], '1', 'EX', ARGV[3]) end
+elseif ARGV[4] == '0' and redis.call('EXISTS', KEYS[4]) == 1 and redis.call('GET', KEYS[3]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+  redis.call('DEL', KEYS[4])
+end
 if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
 return redis.call('GET', KEYS[1])
 """
@@ -119,15 +130,24 @@ return redis.call('GET', KEYS[1])
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  if ARGV[2] == '1' then redis.call('DEL', KEYS[2]) end
+  -- Forget the start only if it was this attempt's: an earlier attempt's start stays on record.
+  if ARGV[2] == '1' and redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
 end
 return 0
 """
 
 
-def _keys(key: str) -> tuple[str, str, str, str]:
+class _Keys(NamedTuple):
+    result: str
+    claim: str
+    started: str
+    cancel: str
+    provisional: str
+
+
+def _keys(key: str) -> _Keys:
     base = PREFIX + key
-    return f"{base}:result", f"{base}:claim", f"{base}:started", f"{base}:cancel"
+    return _Keys(f"{base}:result", f"{base}:claim", f"{base}:started", f"{base}:cancel", f"{base}:provisional")
 
 
 class RedisIdempotencyStore:
@@ -145,42 +165,45 @@ class RedisIdempotencyStore:
         return cls(redis.Redis.from_url(url, health_check_interval=30))
 
     def claim(self, key: str, token: str, lease: float, ttl: int, cancel_scope: str | None = None) -> Claim:
-        result_key, claim_key, started_key, _ = _keys(key)
-        keys = [result_key, claim_key, started_key]
+        names = _keys(key)
+        keys = [names.result, names.claim, names.started]
         if cancel_scope is not None:
-            keys.append(_keys(cancel_scope)[3])
+            keys.append(_keys(cancel_scope).cancel)
         state, value = self._claim(keys=keys, args=[token, int(lease * 1000), ttl])
         return Claim(state=ClaimState(state.decode()), result_json=value.decode() if value else None)
 
     def renew(self, key: str, token: str, lease: float) -> bool:
-        return bool(self._renew(keys=[_keys(key)[1]], args=[token, int(lease * 1000)]))
+        return bool(self._renew(keys=[_keys(key).claim], args=[token, int(lease * 1000)]))
 
-    def complete(self, key: str, token: str, result_json: str, ttl: int) -> str:
-        result_key, claim_key, _, _ = _keys(key)
-        return self._complete(keys=[result_key, claim_key], args=[token, result_json, ttl]).decode()
+    def complete(self, key: str, token: str, result_json: str, ttl: int, *, provisional: bool = False) -> str:
+        names = _keys(key)
+        return self._complete(
+            keys=[names.result, names.claim, names.started, names.provisional],
+            args=[token, result_json, ttl, "1" if provisional else "0"],
+        ).decode()
 
     def release(self, key: str, token: str, *, forget_start: bool) -> None:
-        _, claim_key, started_key, _ = _keys(key)
-        self._release(keys=[claim_key, started_key], args=[token, "1" if forget_start else "0"])
+        names = _keys(key)
+        self._release(keys=[names.claim, names.started], args=[token, "1" if forget_start else "0"])
 
     def result(self, key: str) -> str | None:
-        value = self.redis.get(_keys(key)[0])
+        value = self.redis.get(_keys(key).result)
         return value.decode() if value is not None else None
 
     def results(self, keys: list[str]) -> list[str | None]:
         """Stored results for many keys in one round trip."""
         if not keys:
             return []
-        return [v.decode() if v is not None else None for v in self.redis.mget([_keys(k)[0] for k in keys])]
+        return [v.decode() if v is not None else None for v in self.redis.mget([_keys(k).result for k in keys])]
 
     def started(self, key: str) -> bool:
-        return bool(self.redis.exists(_keys(key)[2]))
+        return bool(self.redis.exists(_keys(key).started))
 
     def cancel(self, key: str, ttl: int) -> None:
-        self.redis.set(_keys(key)[3], "1", ex=ttl)
+        self.redis.set(_keys(key).cancel, "1", ex=ttl)
 
     def cancelled(self, key: str) -> bool:
-        return bool(self.redis.exists(_keys(key)[3]))
+        return bool(self.redis.exists(_keys(key).cancel))
 
 
 class MemoryIdempotencyStore:
@@ -212,65 +235,73 @@ class MemoryIdempotencyStore:
                 del self._values[expired]
 
     def claim(self, key: str, token: str, lease: float, ttl: int, cancel_scope: str | None = None) -> Claim:
-        result_key, claim_key, started_key, _ = _keys(key)
+        names = _keys(key)
         with self._lock:
-            stored = self._get(result_key)
+            stored = self._get(names.result)
             if stored is not None:
                 return Claim(state=ClaimState.STORED, result_json=stored)
-            if cancel_scope is not None and self._get(_keys(cancel_scope)[3]) is not None:
+            if cancel_scope is not None and self._get(_keys(cancel_scope).cancel) is not None:
                 return Claim(state=ClaimState.CANCELLED)
-            if self._get(claim_key) is not None:
+            if self._get(names.claim) is not None:
                 return Claim(state=ClaimState.BUSY)
-            before = self._get(started_key)
-            self._set(claim_key, token, lease)
-            self._set(started_key, token, ttl)
-            return Claim(state=ClaimState.RECLAIMED if before else ClaimState.CLAIMED)
+            self._set(names.claim, token, lease)
+            if self._get(names.started) is not None:
+                return Claim(state=ClaimState.RECLAIMED)
+            self._set(names.started, token, ttl)
+            return Claim(state=ClaimState.CLAIMED)
 
     def renew(self, key: str, token: str, lease: float) -> bool:
-        claim_key = _keys(key)[1]
+        claim_key = _keys(key).claim
         with self._lock:
             if self._get(claim_key) != token:
                 return False
             self._set(claim_key, token, lease)
             return True
 
-    def complete(self, key: str, token: str, result_json: str, ttl: int) -> str:
-        result_key, claim_key, _, _ = _keys(key)
+    def complete(self, key: str, token: str, result_json: str, ttl: int, *, provisional: bool = False) -> str:
+        names = _keys(key)
         with self._lock:
-            stored = self._get(result_key)
-            if stored is None:
-                self._set(result_key, result_json, ttl)
+            stored = self._get(names.result)
+            replaces_stand_in = (
+                not provisional and self._get(names.provisional) is not None and self._get(names.started) == token
+            )
+            if stored is None or replaces_stand_in:
+                self._set(names.result, result_json, ttl)
                 stored = result_json
-            if self._get(claim_key) == token:
-                del self._values[claim_key]
+                if provisional:
+                    self._set(names.provisional, "1", ttl)
+                else:
+                    self._values.pop(names.provisional, None)
+            if self._get(names.claim) == token:
+                del self._values[names.claim]
             return stored
 
     def release(self, key: str, token: str, *, forget_start: bool) -> None:
-        _, claim_key, started_key, _ = _keys(key)
+        names = _keys(key)
         with self._lock:
-            if self._get(claim_key) == token:
-                del self._values[claim_key]
-                if forget_start:
-                    self._values.pop(started_key, None)
+            if self._get(names.claim) == token:
+                del self._values[names.claim]
+                if forget_start and self._get(names.started) == token:
+                    del self._values[names.started]
 
     def result(self, key: str) -> str | None:
         with self._lock:
-            return self._get(_keys(key)[0])
+            return self._get(_keys(key).result)
 
     def results(self, keys: list[str]) -> list[str | None]:
         return [self.result(k) for k in keys]
 
     def started(self, key: str) -> bool:
         with self._lock:
-            return self._get(_keys(key)[2]) is not None
+            return self._get(_keys(key).started) is not None
 
     def cancel(self, key: str, ttl: int) -> None:
         with self._lock:
-            self._set(_keys(key)[3], "1", ttl)
+            self._set(_keys(key).cancel, "1", ttl)
 
     def cancelled(self, key: str) -> bool:
         with self._lock:
-            return self._get(_keys(key)[3]) is not None
+            return self._get(_keys(key).cancel) is not None
 
 
 class LeaseRenewer:

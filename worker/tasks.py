@@ -23,7 +23,7 @@ from worker import errors
 from worker.context import ToolContext
 from worker.execution import HandlerOutcome
 from worker.idempotency import Claim, ClaimState
-from worker.models import SideEffect, ToolCall, ToolResult
+from worker.models import ErrorCode, SideEffect, ToolCall, ToolResult
 from worker.payloads import CallPayload, CallRef
 from worker.results import result_from_outcome
 from worker.runner import run_handler, unavailable_tool_result
@@ -100,7 +100,10 @@ class CallExecution:
         if claim.state is ClaimState.RECLAIMED and spec.side_effect == "unsafe":
             reconciled = self._reconcile(spec)
             if reconciled is not None:
-                return self._store(token, reconciled)
+                # Nobody saw how the earlier attempt ended: if it comes back after all, its real
+                # result replaces this OUTCOME_UNKNOWN (and reaches the model as a late result).
+                unknown = reconciled.error is not None and reconciled.error.code == ErrorCode.OUTCOME_UNKNOWN
+                return self._store(token, reconciled, provisional=unknown)
         outcome = self._run_handler(spec, token)
         result = result_from_outcome(self.call, spec, outcome, attempts=self.attempt, spill=self.rt.spill)
         countdown = self._retry_countdown(spec, outcome)
@@ -185,10 +188,10 @@ class CallExecution:
             return None
         return countdown
 
-    def _store(self, token: str, result: ToolResult) -> ToolResult:
+    def _store(self, token: str, result: ToolResult, *, provisional: bool = False) -> ToolResult:
         result_json = result.model_dump_json()
         try:
-            stored = self.rt.store.complete(self.p.key, token, result_json, self.ttl)
+            stored = self.rt.store.complete(self.p.key, token, result_json, self.ttl, provisional=provisional)
         except redis.RedisError:
             # The handler already ran: hand its result back through the chord even if it cannot be stored.
             log.warning("could not store the result of call %s; returning it unstored", self.call.id)

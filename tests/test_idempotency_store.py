@@ -1,0 +1,69 @@
+"""The claim protocol's edge cases, on the Redis store (real server) and the embedded memory store."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from worker.idempotency import ClaimState, IdempotencyStore, MemoryIdempotencyStore, RedisIdempotencyStore
+
+LEASE = 0.05  # seconds: short enough to let a claim lapse within a test
+TTL = 60
+
+
+@pytest.fixture(params=["redis", "memory"])
+def store(request: pytest.FixtureRequest) -> Iterator[IdempotencyStore]:
+    if request.param == "memory":
+        yield MemoryIdempotencyStore()
+    else:
+        client: redis.Redis = request.getfixturevalue("clean_redis")
+        yield RedisIdempotencyStore(client)
+
+
+def lapse() -> None:
+    """Let a claim's lease run out (a stalled worker)."""
+    time.sleep(LEASE * 3)
+
+
+def test_the_first_attempts_real_result_replaces_a_provisional_outcome_unknown(store: IdempotencyStore) -> None:
+    assert store.claim("k", "first", LEASE, TTL).state is ClaimState.CLAIMED
+    lapse()
+    # A redelivery finds the start but no live claim: it stores a stand-in for the unseen outcome.
+    assert store.claim("k", "second", LEASE, TTL).state is ClaimState.RECLAIMED
+    assert store.complete("k", "second", "unknown", TTL, provisional=True) == "unknown"
+    # Another delivery of the same call is not the first attempt: the stand-in stays.
+    assert store.complete("k", "third", "other", TTL) == "unknown"
+    # The first attempt was slow, not lost: its real result wins over the stand-in, once.
+    assert store.complete("k", "first", "real", TTL) == "real"
+    assert store.result("k") == "real"
+    assert store.complete("k", "first", "again", TTL) == "real"
+
+
+def test_a_real_result_is_never_replaced(store: IdempotencyStore) -> None:
+    store.claim("k", "first", LEASE, TTL)
+    lapse()
+    assert store.claim("k", "second", LEASE, TTL).state is ClaimState.RECLAIMED
+    # The redelivery ran the call (a reconcile said it had not taken effect): first result wins.
+    assert store.complete("k", "second", "second-run", TTL) == "second-run"
+    assert store.complete("k", "first", "first-run", TTL) == "second-run"
+
+
+def test_a_retry_before_running_does_not_erase_an_earlier_start(store: IdempotencyStore) -> None:
+    store.claim("k", "first", LEASE, TTL)
+    lapse()
+    assert store.claim("k", "second", LEASE, TTL).state is ClaimState.RECLAIMED
+    # The redelivery gives up before its handler started (a transient error, say) and retries...
+    store.release("k", "second", forget_start=True)
+    # ...but the first attempt did start: the next delivery must still know it.
+    assert store.started("k")
+    assert store.claim("k", "third", LEASE, TTL).state is ClaimState.RECLAIMED
+
+
+def test_an_attempt_that_never_ran_is_forgotten(store: IdempotencyStore) -> None:
+    assert store.claim("k", "first", LEASE, TTL).state is ClaimState.CLAIMED
+    store.release("k", "first", forget_start=True)
+    assert not store.started("k")
+    assert store.claim("k", "second", LEASE, TTL).state is ClaimState.CLAIMED
