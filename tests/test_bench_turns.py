@@ -35,7 +35,7 @@ def test_tiny_run_writes_report_and_cleans_up(tmp_path: Path) -> None:
     report_path = tmp_path / "turns.json"
     completed = subprocess.run(
         [sys.executable, "-m", "bench.turns", "--rounds", "1", "--sizes", "1", "--turns-per-round", "2",
-         "--pipeline-calls", "4", "--inflight", "2", "--warmup", "1", "--redis-stats-turns", "2",
+         "--pipeline-calls", "4", "--inflight", "2", "--warmup", "1", "--redis-stats-turns", "20",
          "--concurrency", "1", "--json", str(report_path)],
         check=False, cwd=ROOT, capture_output=True, text=True, timeout=60,
         # The benchmark's scratch directory lands under tmp_path, so leftovers can be found.
@@ -72,5 +72,6 @@ def test_tiny_run_writes_report_and_cleans_up(tmp_path: Path) -> None:
     assert all(cost["commands_per_turn"] > 0 for cost in result["redis"].values())
     for cost in result["redis"].values():
         assert set(cost["cpu_ms_per_turn"]) == {"orchestrator", "worker", "redis"}
-        # Every turn runs tasks on the worker: its CPU cannot be zero (a zero means it was not read).
+        # 20 turns keep the worker busy far longer than one 10 ms tick of the CPU counters: a zero
+        # means the counters were not read.
         assert cost["cpu_ms_per_turn"]["worker"] > 0
