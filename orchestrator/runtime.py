@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 from celery import Celery, chain, chord, states
+from celery.backends.redis import RedisBackend
 from celery.canvas import Signature
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
@@ -115,6 +116,12 @@ class Orchestrator:
         self._waiting: set[tuple[str, str]] = set()
         self._cancelled_here: set[tuple[str, str]] = set()
         self._listening = False
+        # Call tasks keep no per-task result where the chord does not need one: the Redis backend
+        # joins a chord from its own list (on_chord_part_return runs whatever ignore_result says),
+        # and the idempotency store keeps each result by key. A per-task copy would cost a GET and
+        # a SET/PUBLISH per call on the worker and a result subscription per call here. Other
+        # backends (the embedded cache) join by reading each task's result, so they keep it.
+        self._ignore_call_results = isinstance(self.app.backend, RedisBackend)
         if settings.embedded:
             self.runtime.registry.add_missing(registry)
             self.runtime.start_embedded_worker(self.app)
@@ -198,6 +205,7 @@ class Orchestrator:
             # Tool arguments stay out of events and Flower: show the tool and the call id only.
             argsrepr=f"{dc.call.name} call={dc.call.id}",
             kwargsrepr="{}",
+            ignore_result=self._ignore_call_results,
         )
 
     def _dispatch(self, record: TurnRecord) -> str | None:
@@ -218,7 +226,8 @@ class Orchestrator:
                                   queue=self.runtime.settings.default_queue)
         # chord() explicitly, never chain(group, body): a one-task group would unroll (pitfall 5).
         chord(header, body).apply_async()
-        _release_pending(self.app.backend, [dc.task_id for dc in record.dispatched])
+        if self._ignore_call_results:
+            _release_pending(self.app.backend, [dc.task_id for dc in record.dispatched])
         return body_id
 
     # -- finishing ----------------------------------------------------------------------------

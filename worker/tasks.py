@@ -231,11 +231,6 @@ def _make_call_task(app: Celery, side_effect: SideEffect) -> Task:
         typing=False,
         # Tool output stays out of worker logs and events (Flower): it may hold secrets or PII.
         resultrepr_maxsize=0,
-        # The chord still gets every result (on_chord_part_return runs whatever this says), and
-        # the idempotency store keeps each call's result by key: a per-task copy in the result
-        # backend would cost two more Redis round trips per call and one result-channel
-        # subscription per call in the orchestrator, for a value nobody reads.
-        ignore_result=True,
     )
     def run_call(self: Task, prior: list[dict[str, Any]] | None = None, *, payload: dict[str, Any]) -> list[dict[str, Any]]:
         previous = list(prior or [])

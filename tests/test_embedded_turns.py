@@ -1,0 +1,37 @@
+"""Turns in the embedded mode (no broker configured): in-memory transport, cache backend, one process."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from orchestrator import Orchestrator
+from worker import Registry, tool
+from worker.config import Settings
+from worker.models import ToolCall
+
+
+@tool(side_effect="read", sandbox={"isolate": False})
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@pytest.fixture
+def embedded() -> Orchestrator:
+    # No broker URL: the embedded mode, whatever the environment says.
+    return Orchestrator(Registry([add]), settings=Settings())
+
+
+def test_embedded_chord_completes_without_waiting_for_a_join_timeout(embedded: Orchestrator) -> None:
+    calls = [ToolCall(id=f"c{i}", name="add", arguments_raw=f'{{"a": {i}, "b": 1}}', index=i) for i in range(3)]
+    join_timeout = embedded.app.conf.result_chord_join_timeout
+    for turn_no in range(2):
+        started = time.monotonic()
+        turn = embedded.run_calls(f"s-embedded-{turn_no}", calls)
+        elapsed = time.monotonic() - started
+        assert [r.content for r in turn.results] == ["1", "2", "3"]
+        # The cache backend joins a chord by reading each header task's stored result: were those
+        # results not stored, every turn would sit out the join timeout and then lose its callback.
+        assert elapsed < join_timeout, f"an embedded turn took {elapsed:.2f} s (chord join timeout {join_timeout} s)"
