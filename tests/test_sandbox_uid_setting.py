@@ -31,5 +31,5 @@ def test_default_is_a_uid_per_call() -> None:
     assert Settings.from_env({}).sandbox_uid is None
     first = run_handler(sandbox_tools.where_am_i, {}, context())
     second = run_handler(sandbox_tools.where_am_i, {}, context())
-    assert first.status == second.status == "ok"
+    assert first.status == second.status == "ok", (first.error_message, second.error_message)
     assert first.data["uid"] != 0 and first.data["uid"] != second.data["uid"]
