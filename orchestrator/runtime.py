@@ -199,7 +199,7 @@ class Orchestrator:
             kwargs={"payload": payload.model_dump(mode="json")},
             immutable=first,
             task_id=dc.task_id,
-            queue=spec.queue or self.runtime.settings.default_queue,
+            queue=self.runtime.queue(spec.queue),
             soft_time_limit=spec.timeout + (_SOFT_LIMIT_SLACK if isolated else 0),
             time_limit=spec.timeout + _HARD_LIMIT_SLACK,
             # Tool arguments stay out of events and Flower: show the tool and the call id only.
@@ -223,7 +223,7 @@ class Orchestrator:
         ]
         body_id = "tc-collect-" + _digest(record.session_id, record.turn_id, str(time.time_ns()))
         body = self.app.signature(COLLECT_TASK, kwargs={"order": order}, task_id=body_id,
-                                  queue=self.runtime.settings.default_queue)
+                                  queue=self.runtime.queue())
         # chord() explicitly, never chain(group, body): a one-task group would unroll (pitfall 5).
         chord(header, body).apply_async()
         if self._ignore_call_results:

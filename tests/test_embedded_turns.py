@@ -35,3 +35,21 @@ def test_embedded_chord_completes_without_waiting_for_a_join_timeout(embedded: O
         # The cache backend joins a chord by reading each header task's stored result: were those
         # results not stored, every turn would sit out the join timeout and then lose its callback.
         assert elapsed < join_timeout, f"an embedded turn took {elapsed:.2f} s (chord join timeout {join_timeout} s)"
+
+
+@tool(side_effect="read", sandbox={"isolate": False})
+def shout(text: str) -> str:
+    """Upper-case the text."""
+    return text.upper()
+
+
+def test_two_embedded_orchestrators_in_one_process_keep_their_calls_apart() -> None:
+    # The in-memory transport's queues are process-wide: without queues of its own, each
+    # embedded worker would take the other's calls and answer UNKNOWN_TOOL for them.
+    adder = Orchestrator(Registry([add]), settings=Settings())
+    shouter = Orchestrator(Registry([shout]), settings=Settings())
+    for i in range(4):
+        sums = adder.run_calls(f"s-add-{i}", [ToolCall(id="c", name="add", arguments_raw='{"a": 1, "b": 1}', index=0)])
+        loud = shouter.run_calls(f"s-shout-{i}", [ToolCall(id="c", name="shout", arguments_raw='{"text": "hi"}', index=0)])
+        assert [r.content for r in sums.results] == ["2"]
+        assert [r.content for r in loud.results] == ["HI"]

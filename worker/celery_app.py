@@ -28,7 +28,6 @@ def _celery_config(settings: Settings) -> dict[str, Any]:
         "event_serializer": "json",
         "accept_content": ["json"],
         "result_accept_content": ["json"],
-        "task_default_queue": settings.default_queue,
         "result_expires": settings.result_ttl,
         "result_extended": False,
         "worker_prefetch_multiplier": 1,
@@ -76,7 +75,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         tools.add_missing(registry)
     app = Celery("toolchord", set_as_current=False)
     app.conf.update(_celery_config(settings))
-    app.toolchord = WorkerRuntime(settings, tools)  # type: ignore[attr-defined]
+    runtime = app.toolchord = WorkerRuntime(settings, tools)  # type: ignore[attr-defined]
+    app.conf.task_default_queue = runtime.queue()
     register_tasks(app)
     return app
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import uuid
 import weakref
 from functools import cached_property
 from typing import Any
@@ -31,6 +32,13 @@ class WorkerRuntime:
         self._memory_store = MemoryIdempotencyStore() if settings.redis_url is None else None
         self._embedded_worker: threading.Thread | None = None
         self._lock = threading.Lock()
+        # The in-memory transport keeps its queues process-wide: each embedded app gets queues of
+        # its own, or one embedded worker would take another's calls (and not know their tools).
+        self._queue_prefix = f"embedded-{uuid.uuid4().hex[:12]}." if settings.embedded else ""
+
+    def queue(self, name: str | None = None) -> str:
+        """The broker queue for a tool's queue name (the default queue when None)."""
+        return self._queue_prefix + (name or self.settings.default_queue)
 
     @cached_property
     def redis(self) -> redis.Redis | None:
@@ -75,7 +83,7 @@ class WorkerRuntime:
                 without_heartbeat=True,
                 without_mingle=True,
                 without_gossip=True,
-                queues=sorted(queues_of(self.registry, self.settings)),
+                queues=sorted(self.queue(name) for name in queues_of(self.registry, self.settings)),
                 hostname="embedded@toolchord",
             )
             from worker.sandbox import log_layers
