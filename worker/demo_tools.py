@@ -1,6 +1,8 @@
 """Example tools for `toolchord demo`: one of each side-effect class, and one that times out.
 
-- `lookup_order` (read): reads an order from a small in-module catalogue.
+- `lookup_order` (read): reads an order's item and status from a small in-module catalogue (no
+  address: each call runs in its own sandboxed process, so the demo keeps no state between calls
+  and an address read back would contradict the update).
 - `set_shipping_address` (idempotent): an upsert; repeating it with the same key is harmless.
 - `send_email` (unsafe): would send mail; here it only reports what it would send.
 - `slow_report` (read, 1 s timeout): sleeps past its limit to show TIMEOUT.
@@ -16,14 +18,14 @@ from worker.registry import Registry
 registry = Registry()
 
 _ORDERS = {
-    "A-1001": {"order_id": "A-1001", "item": "espresso machine", "status": "shipped", "address": "1 Main St"},
-    "A-1002": {"order_id": "A-1002", "item": "coffee grinder", "status": "processing", "address": "9 Elm Rd"},
+    "A-1001": {"order_id": "A-1001", "item": "espresso machine", "status": "shipped"},
+    "A-1002": {"order_id": "A-1002", "item": "coffee grinder", "status": "processing"},
 }
 
 
 @registry.tool(side_effect="read", timeout=5)
 def lookup_order(order_id: str) -> dict[str, str]:
-    """Look up an order by id (e.g. "A-1001"): item, status and shipping address."""
+    """Look up an order by id (e.g. "A-1001"): item and status."""
     if order_id not in _ORDERS:
         raise KeyError(f"no order {order_id!r}; known orders: {', '.join(_ORDERS)}")
     return _ORDERS[order_id]
