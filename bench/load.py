@@ -210,7 +210,8 @@ async def _wait_for_waiting(admin: redis.Redis, expected: int, timeout: float) -
 
 
 def _cpu_now(server: RedisProcess, workers: list[WorkerProcess]) -> dict[str, float]:
-    """CPU seconds so far: this (orchestrator) process, the workers' process groups, redis-server.
+    """CPU seconds so far: this (orchestrator) process, the workers (pool processes and
+    sandboxes), redis-server.
 
     A worker killed mid-run takes its CPU time with it; its restarted process counts from zero.
     """

@@ -1,13 +1,12 @@
 """A private loopback cluster for the load test: one redis-server and real prefork workers.
 
-Built on `bench.processes` (shared with the tests and the turn benchmark); what the load test
-adds is CPU accounting per process group and a readiness signal that works with worker logging
-turned down (log lines cost throughput at load).
+Built on `bench.processes` (shared with the tests and the turn benchmark, CPU accounting
+included); what the load test adds is a readiness signal that works with worker logging turned
+down (log lines cost throughput at load).
 """
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -23,32 +22,12 @@ from bench.processes import ROOT, ProcessStartError, RedisServer
 TOOL_MODULE = "bench.load_tools"
 
 
-def process_group_cpu_seconds(pgid: int) -> float:
-    """User + system CPU seconds of the live processes in a process group (Linux /proc)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # After the command name: state ppid pgrp ... utime(14th) stime(15th) of the full line.
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
-
-
 class RedisProcess(RedisServer):
-    """A started private redis-server whose CPU time can be read."""
+    """A private redis-server, started on creation."""
 
     def __init__(self, workdir: Path) -> None:
         super().__init__(workdir)
         self.start()
-
-    def cpu_seconds(self) -> float:
-        return process_group_cpu_seconds(self.proc.pid) if self.proc is not None else 0.0
 
 
 def worker_env(redis_url: str, visibility_timeout: int, claim_lease: float) -> dict[str, str]:
@@ -98,12 +77,6 @@ class WorkerProcess(processes.WorkerProcess):
         with self.log.open("rb") as handle:
             handle.seek(offset)
             return handle.read()[-3000:].decode(errors="replace")
-
-    def cpu_seconds(self) -> float:
-        """CPU time used so far by the live processes of this worker's process group."""
-        if self.proc is None or self.proc.poll() is not None:
-            return 0.0
-        return process_group_cpu_seconds(self.proc.pid)
 
     def close(self) -> None:
         """Stop the worker and drop the driver's connection."""

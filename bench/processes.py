@@ -48,6 +48,42 @@ def _stop_group(proc: subprocess.Popen[bytes], timeout: float) -> None:
         proc.wait()
 
 
+def _own_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) a process has used, with the children it has reaped."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # After the command name: utime stime cutime cstime are the 12th to 15th fields.
+    return sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree_cpu_seconds(root: int) -> float:
+    """CPU seconds used by a process and all its live descendants, with the children they reaped.
+
+    Descendants rather than the process group: a worker's sandbox zygote runs in a session of its
+    own, and its children in groups of their own. A process that ended unreaped counts nothing.
+    """
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # the process ended while we looked
+            children.setdefault(parent, []).append(int(entry.name))
+    total, pending = 0.0, [root]
+    while pending:
+        pid = pending.pop()
+        try:
+            total += _own_cpu_seconds(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+        pending.extend(children.get(pid, []))
+    return total
+
+
+def _running_cpu_seconds(proc: subprocess.Popen[bytes] | None) -> float:
+    return process_tree_cpu_seconds(proc.pid) if proc is not None and proc.poll() is None else 0.0
+
+
 class RedisServer:
     """A private redis-server on a free loopback port, with nothing persisted."""
 
@@ -89,6 +125,10 @@ class RedisServer:
             client.close()
         self.stop()
         raise ProcessStartError(f"redis-server did not start on port {self.port}")
+
+    def cpu_seconds(self) -> float:
+        """CPU time the running server has used so far (0 when it is not running)."""
+        return _running_cpu_seconds(self.proc)
 
     def stop(self) -> None:
         """Kill the server (nothing is persisted, so there is nothing to flush)."""
@@ -157,6 +197,11 @@ class WorkerProcess:
     def _log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:]
 
+    def cpu_seconds(self) -> float:
+        """CPU time the running worker has used so far: main process, pool processes, sandbox
+        zygotes and their children (0 when it is not running; a killed worker takes its time with it)."""
+        return _running_cpu_seconds(self.proc)
+
     def kill(self) -> None:
         """SIGKILL the whole process group: main process, pool children and sandboxes."""
         if self.proc is not None and self.proc.poll() is None:
@@ -169,4 +214,5 @@ class WorkerProcess:
             _stop_group(self.proc, timeout)
 
 
-__all__ = ["ROOT", "ProcessStartError", "RedisServer", "WorkerProcess", "free_port", "worker_env"]
+__all__ = ["ROOT", "ProcessStartError", "RedisServer", "WorkerProcess", "free_port", "process_tree_cpu_seconds",
+           "worker_env"]

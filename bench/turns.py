@@ -282,42 +282,12 @@ def _server_counters(client: redis.Redis) -> tuple[int, int, dict[str, int]]:
     return int(stats["total_commands_processed"]), int(stats["total_reads_processed"]), commands
 
 
-def _process_cpu(pid: int) -> float:
-    """CPU seconds (user + system) a process has used, its reaped children included."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+def _cpu_now(worker: WorkerProcess, server: RedisServer) -> dict[str, float]:
+    return {"orchestrator": time.process_time(), "worker": worker.cpu_seconds(), "redis": server.cpu_seconds()}
 
 
-def _tree_cpu(root: int) -> float:
-    """CPU seconds used by a process and all its live descendants (with the children they reaped).
-
-    Descendants, not the process group: the sandbox zygote runs in a session of its own.
-    """
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # the process ended while we looked
-            children.setdefault(parent, []).append(int(entry.name))
-    total, pending = 0.0, [root]
-    while pending:
-        pid = pending.pop()
-        try:
-            total += _process_cpu(pid)
-        except (OSError, IndexError, ValueError):
-            continue
-        pending.extend(children.get(pid, []))
-    return total
-
-
-def _cpu_now(worker_pid: int, redis_pid: int) -> dict[str, float]:
-    return {"orchestrator": time.process_time(), "worker": _tree_cpu(worker_pid), "redis": _process_cpu(redis_pid)}
-
-
-def measure_redis(runner: TurnRunner, client: redis.Redis, params: Parameters, worker_pid: int,
-                  redis_pid: int) -> dict[int, dict[Variant, RedisCost]]:
+def measure_redis(runner: TurnRunner, client: redis.Redis, params: Parameters, worker: WorkerProcess,
+                  server: RedisServer) -> dict[int, dict[Variant, RedisCost]]:
     """Redis commands, round trips and CPU per sequential turn (includes idle worker polling: small)."""
     costs: dict[int, dict[Variant, RedisCost]] = {s: {} for s in params.sizes}
     if params.redis_stats_turns == 0:
@@ -327,10 +297,10 @@ def measure_redis(runner: TurnRunner, client: redis.Redis, params: Parameters, w
             # Garbage from the phases before is not this cell's cost.
             gc.collect()
             client.config_resetstat()
-            cpu_before = _cpu_now(worker_pid, redis_pid)
+            cpu_before = _cpu_now(worker, server)
             for _ in range(params.redis_stats_turns):
                 runner.run(variant, size)
-            cpu_after = _cpu_now(worker_pid, redis_pid)
+            cpu_after = _cpu_now(worker, server)
             # INFO itself is counted: subtract the two reads and commands it costs.
             commands, reads, per_command = _server_counters(client)
             n = params.redis_stats_turns
@@ -506,8 +476,7 @@ def run(params: Parameters, workdir: Path) -> Report:
         _progress(f"latency done at {time.perf_counter() - started:.1f} s; measuring throughput")
         rates = measure_throughput(runner, params, loop)
         _progress(f"throughput done at {time.perf_counter() - started:.1f} s; counting Redis commands")
-        assert worker.proc is not None and server.proc is not None  # both started above
-        costs = measure_redis(runner, client, params, worker.proc.pid, server.proc.pid)
+        costs = measure_redis(runner, client, params, worker, server)
         return Report(
             environment=environment(client),
             parameters=params,
