@@ -73,6 +73,15 @@ def _is_unknown(result: ToolResult) -> bool:
     return result.error is not None and result.error.code == ErrorCode.OUTCOME_UNKNOWN
 
 
+def _may_still_finish(dc: DispatchedCall, code: ErrorCode, unfinished: bool) -> bool:
+    """Whether a result stored later may supersede the error the turn reports for this call: the
+    turn gave up on it while it ran, or it is an unsafe call reported OUTCOME_UNKNOWN (its first
+    attempt may have been slow rather than lost)."""
+    if unfinished:
+        return code != ErrorCode.NOT_EXECUTED
+    return dc.side_effect == "unsafe" and code == ErrorCode.OUTCOME_UNKNOWN
+
+
 class _RemoteCancelClock:
     """Says when a waiting turn should next ask Redis for its cancel flag."""
 
@@ -248,12 +257,11 @@ class Orchestrator:
                 else:
                     by_id[dc.call.id] = self._unfinished(record, dc, reason)
                     unfinished.add(dc.call.id)
-        for dc in record.dispatched:
-            # An unsafe call reported OUTCOME_UNKNOWN may still have its real result stored later
-            # (its first attempt was slow, not lost): watch for it like any late call.
-            if dc.call.id not in unfinished and dc.side_effect == "unsafe" and _is_unknown(by_id[dc.call.id]):
-                self.turns.add_late(record.session_id, LateCall(
-                    call=dc.call, key=dc.key, turn_id=record.turn_id, reported=ErrorCode.OUTCOME_UNKNOWN.value))
+        watched = [
+            LateCall(call=dc.call, key=dc.key, turn_id=record.turn_id, reported=error.code.value)
+            for dc in record.dispatched
+            if (error := by_id[dc.call.id].error) is not None and _may_still_finish(dc, error.code, dc.call.id in unfinished)
+        ]
         results = [by_id[call.id] for call in sorted(record.calls, key=lambda c: c.index)]
         late_results, settled = self._late_results(record)
         turn = TurnResult(
@@ -264,7 +272,7 @@ class Orchestrator:
             results=results,
             late_results=late_results,
         )
-        self.turns.finish(record, turn, settled)
+        self.turns.finish(record, turn, settled, watched)
         self._waiting.discard((record.session_id, record.turn_id))
         self._cancelled_here.discard((record.session_id, record.turn_id))
         return turn
@@ -289,9 +297,6 @@ class Orchestrator:
             error = errors.cancelled(dc.call)
         else:
             error = errors.timeout(dc.call, max(record.deadline - time.time(), 0) or spec.timeout)
-        self.turns.add_late(
-            record.session_id, LateCall(call=dc.call, key=dc.key, turn_id=record.turn_id, reported=error.code.value)
-        )
         return errors.error_result(dc.call, error)
 
     def _late_results(self, record: TurnRecord) -> tuple[list[ToolResult], list[str]]:

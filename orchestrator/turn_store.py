@@ -30,8 +30,11 @@ class TurnStore(Protocol):
         late calls (one round trip for both: a turn needs them at its start and at its end)."""
         ...
 
-    def finish(self, record: TurnRecord, result: TurnResult, settled_late: Sequence[str] = ()) -> None:
-        """Store the turn's result and drop the late calls (by key) whose results it reported."""
+    def finish(
+        self, record: TurnRecord, result: TurnResult, settled_late: Sequence[str] = (), watched: Sequence[LateCall] = ()
+    ) -> None:
+        """Store the turn's result, drop the late calls (by key) whose results it reported, and
+        record its own calls whose results may still arrive (reported by the session's next turns)."""
         ...
 
     def result(self, session_id: str, turn_id: str) -> TurnResult | None: ...
@@ -40,7 +43,6 @@ class TurnStore(Protocol):
 
     def cancelled(self, session_id: str, turn_id: str) -> bool: ...
 
-    def add_late(self, session_id: str, late: LateCall) -> None: ...
 
 
 class RedisTurnStore:
@@ -78,14 +80,20 @@ class RedisTurnStore:
             return TurnResult.model_validate_json(result), late
         return (TurnRecord.model_validate_json(record) if record is not None else None), late
 
-    def finish(self, record: TurnRecord, result: TurnResult, settled_late: Sequence[str] = ()) -> None:
+    def finish(
+        self, record: TurnRecord, result: TurnResult, settled_late: Sequence[str] = (), watched: Sequence[LateCall] = ()
+    ) -> None:
         done = record.model_copy(update={"status": "done"})
+        late_key = f"toolchord:late:{record.session_id}"
         pipe = self.redis.pipeline()
         pipe.set(self._key(record.session_id, record.turn_id), done.model_dump_json(), ex=self.ttl)
         pipe.set(self._key(record.session_id, record.turn_id, "result"), result.model_dump_json(), ex=self.ttl)
         pipe.delete(f"toolchord:turn:{record.session_id}:active")
         if settled_late:
-            pipe.hdel(f"toolchord:late:{record.session_id}", *settled_late)
+            pipe.hdel(late_key, *settled_late)
+        if watched:
+            pipe.hset(late_key, mapping={late.key: late.model_dump_json() for late in watched})
+            pipe.expire(late_key, self.ttl)
         pipe.execute()
 
     def result(self, session_id: str, turn_id: str) -> TurnResult | None:
@@ -98,11 +106,6 @@ class RedisTurnStore:
     def cancelled(self, session_id: str, turn_id: str) -> bool:
         return bool(self.redis.exists(self._key(session_id, turn_id, "cancel")))
 
-    def add_late(self, session_id: str, late: LateCall) -> None:
-        pipe = self.redis.pipeline()
-        pipe.hset(f"toolchord:late:{session_id}", late.key, late.model_dump_json())
-        pipe.expire(f"toolchord:late:{session_id}", self.ttl)
-        pipe.execute()
 
 
 class MemoryTurnStore:
@@ -141,12 +144,16 @@ class MemoryTurnStore:
             late = list(self._late.get(session_id, {}).values())
             return self._results.get(key) or self._records.get(key), late
 
-    def finish(self, record: TurnRecord, result: TurnResult, settled_late: Sequence[str] = ()) -> None:
+    def finish(
+        self, record: TurnRecord, result: TurnResult, settled_late: Sequence[str] = (), watched: Sequence[LateCall] = ()
+    ) -> None:
         with self._lock:
             key = (record.session_id, record.turn_id)
             pending = self._late.get(record.session_id, {})
             for late_key in settled_late:
                 pending.pop(late_key, None)
+            if watched:
+                self._late.setdefault(record.session_id, {}).update((late.key, late) for late in watched)
             self._records[key] = record.model_copy(update={"status": "done"})
             self._results[key] = result
             self._cancelled.discard(key)
@@ -167,7 +174,3 @@ class MemoryTurnStore:
     def cancelled(self, session_id: str, turn_id: str) -> bool:
         with self._lock:
             return (session_id, turn_id) in self._cancelled
-
-    def add_late(self, session_id: str, late: LateCall) -> None:
-        with self._lock:
-            self._late.setdefault(session_id, {})[late.key] = late
