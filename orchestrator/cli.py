@@ -135,7 +135,7 @@ def _passthrough(command: str, rest: list[str]) -> int:
     if not rest or rest[0] not in _BENCHES:
         print(f"usage: toolchord bench {{{','.join(_BENCHES)}}} [options]", file=sys.stderr)
         return 0 if rest[:1] in (["-h"], ["--help"]) else 2
-    module = importlib.import_module(f"bench.{rest[0]}")
+    module = importlib.import_module(f"orchestrator.bench.{rest[0]}")
     return int(module.main(rest[1:]) or 0)
 
 

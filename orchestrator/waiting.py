@@ -52,7 +52,7 @@ class PollingResultWaiter:
 class RedisResultWaiter:
     """Every waiting turn of this event loop on one pub/sub connection, plus a small command pool.
 
-    Found under load (bench/load.py, 1,000 turns waiting at once):
+    Found under load (orchestrator/bench/load.py, 1,000 turns waiting at once):
     - each wait used to take a connection of its own for its GET, and redis-py's default pool
       raises "Too many connections" past 100: GETs now share a blocking pool of
       `max_connections` and queue for it instead;

@@ -1,6 +1,6 @@
 """Shared fixtures: a private redis-server and real worker processes (`toolchord worker`, prefork).
 
-The process helpers live in `bench/processes.py`, shared with the benchmarks; here they are
+The process helpers live in `orchestrator/bench/processes.py`, shared with the benchmarks; here they are
 wrapped as fixtures that fail with a clear message when something cannot start.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from bench import processes
-from bench.processes import ROOT, ProcessStartError, RedisServer, WorkerProcess, free_port
+from orchestrator.bench import processes
+from orchestrator.bench.processes import ROOT, ProcessStartError, RedisServer, WorkerProcess, free_port
 
 __all__ = ["ROOT", "free_port", "worker_env"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.load import LoadConfig, format_table, run_scenario
-from bench.load_ledger import CallOutcome, check_ledger
+from orchestrator.bench.load import LoadConfig, format_table, run_scenario
+from orchestrator.bench.load_ledger import CallOutcome, check_ledger
 
 pytestmark = pytest.mark.slow
 

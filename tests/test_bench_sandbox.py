@@ -1,4 +1,4 @@
-"""Smoke test of `bench.sandbox`: a short run prints each path's time and the CPU a call costs."""
+"""Smoke test of `orchestrator.bench.sandbox`: a short run prints each path's time and the CPU a call costs."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from bench.processes import ROOT
+from orchestrator.bench.processes import ROOT
 
 pytestmark = pytest.mark.slow
 
 
 def test_short_run_reports_wall_time_and_cpu_per_call() -> None:
     completed = subprocess.run(
-        [sys.executable, "-m", "bench.sandbox", "--calls", "5"],
+        [sys.executable, "-m", "orchestrator.bench.sandbox", "--calls", "5"],
         check=False, cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]

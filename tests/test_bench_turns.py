@@ -1,4 +1,4 @@
-"""Smoke test of `bench.turns`: a tiny run starts its own Redis and worker and writes a full report."""
+"""Smoke test of `orchestrator.bench.turns`: a tiny run starts its own Redis and worker and writes a full report."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.processes import ROOT
+from orchestrator.bench.processes import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def processes_using(path: Path) -> list[int]:
 def test_tiny_run_writes_report_and_cleans_up(tmp_path: Path) -> None:
     report_path = tmp_path / "turns.json"
     completed = subprocess.run(
-        [sys.executable, "-m", "bench.turns", "--rounds", "1", "--sizes", "1", "--turns-per-round", "2",
+        [sys.executable, "-m", "orchestrator.bench.turns", "--rounds", "1", "--sizes", "1", "--turns-per-round", "2",
          "--pipeline-calls", "4", "--inflight", "2", "--warmup", "1", "--redis-stats-turns", "20",
          "--concurrency", "1", "--json", str(report_path)],
         check=False, cwd=ROOT, capture_output=True, text=True, timeout=60,

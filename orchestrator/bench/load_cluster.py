@@ -15,11 +15,11 @@ from pathlib import Path
 
 import redis
 
-from bench import processes
-from bench.load_tools import LEDGER_URL_ENV, READY_PREFIX
-from bench.processes import ROOT, ProcessStartError, RedisServer
+from orchestrator.bench import processes
+from orchestrator.bench.load_tools import LEDGER_URL_ENV, READY_PREFIX
+from orchestrator.bench.processes import ROOT, ProcessStartError, RedisServer
 
-TOOL_MODULE = "bench.load_tools"
+TOOL_MODULE = "orchestrator.bench.load_tools"
 
 
 class RedisProcess(RedisServer):

@@ -1,4 +1,4 @@
-"""Tools the load test runs on real workers (`TOOLCHORD_TOOL_MODULES=bench.load_tools`).
+"""Tools the load test runs on real workers (`TOOLCHORD_TOOL_MODULES=orchestrator.bench.load_tools`).
 
 Every call counts its side effect in Redis under its `tag` (one tag per call of the load), so
 the ledger can tell how often each call really ran. `*_inproc` tools run in the pool process

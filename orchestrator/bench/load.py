@@ -1,6 +1,6 @@
 """Load test: many concurrent sessions driven by ONE asyncio orchestrator against real workers.
 
-Run with `python -m bench.load` (or `toolchord bench load`); `--help` lists the knobs. Everything
+Run with `python -m orchestrator.bench.load` (or `toolchord bench load`); `--help` lists the knobs. Everything
 runs on loopback: a private redis-server and W `celery worker --pool prefork` processes.
 
 Each scenario runs in its own Python process (so RSS figures are not polluted by the previous
@@ -33,9 +33,9 @@ from typing import Any
 import redis
 from pydantic import BaseModel
 
-from bench.load_cluster import TOOL_MODULE, RedisProcess, WorkerProcess, worker_env
-from bench.load_ledger import CallOutcome, LedgerReport, check_ledger
-from bench.load_tools import EFFECTS_PREFIX
+from orchestrator.bench.load_cluster import TOOL_MODULE, RedisProcess, WorkerProcess, worker_env
+from orchestrator.bench.load_ledger import CallOutcome, LedgerReport, check_ledger
+from orchestrator.bench.load_tools import EFFECTS_PREFIX
 from orchestrator.runtime import Orchestrator
 from orchestrator.turn import TurnRecord, TurnResult
 from worker.celery_app import create_app
@@ -370,7 +370,7 @@ def run_scenario(config: LoadConfig, workdir: Path | None = None) -> LoadReport:
 def _run_isolated(config: LoadConfig) -> LoadReport:
     """Run one scenario in a fresh Python process, so its RSS is its own."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.load", "--scenario-json", config.model_dump_json()],
+        [sys.executable, "-m", "orchestrator.bench.load", "--scenario-json", config.model_dump_json()],
         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, check=False,
         timeout=config.max_seconds + 180,
     )

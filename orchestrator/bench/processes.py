@@ -20,7 +20,7 @@ import redis
 from celery import Celery
 from kombu.exceptions import OperationalError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class ProcessStartError(RuntimeError):

@@ -1,1 +1,0 @@
-"""Benchmarks for toolchord (run as `python -m bench.<name>`)."""

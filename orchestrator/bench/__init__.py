@@ -1,0 +1,1 @@
+"""Benchmarks for toolchord (run as `python -m orchestrator.bench.<name>`)."""
