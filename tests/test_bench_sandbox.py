@@ -1,10 +1,11 @@
-"""Smoke test of `orchestrator.bench.sandbox`: a short run prints each path's time and the CPU a call costs."""
+"""Smoke test of `toolchord bench sandbox`: a short run prints each path's time and the CPU a call costs."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,8 @@ pytestmark = pytest.mark.slow
 
 def test_short_run_reports_wall_time_and_cpu_per_call() -> None:
     completed = subprocess.run(
-        [sys.executable, "-m", "orchestrator.bench.sandbox", "--calls", "5"],
+        # The installed entry point, as a user runs it (argument passing included).
+        [str(Path(sys.executable).with_name("toolchord")), "bench", "sandbox", "--calls", "5"],
         check=False, cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]

@@ -14,7 +14,9 @@ import argparse
 import importlib
 import os
 import statistics
+import sys
 import time
+from collections.abc import Sequence
 
 from worker import ToolContext, call_handler, tool
 from worker.sandbox import describe_layers, run_isolated
@@ -44,11 +46,11 @@ def _busy_seconds() -> float:
     return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     """Measure and print the median per-call overhead of both sandbox paths."""
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="toolchord bench sandbox", description=__doc__)
     parser.add_argument("--calls", type=int, default=200)
-    options = parser.parse_args()
+    options = parser.parse_args(argv)
     # Run as `python -m`, this file is __main__, which the zygote cannot import: take the tool
     # from the module imported by name, as a worker's tool modules are.
     spec: ToolSpec = importlib.import_module("orchestrator.bench.sandbox").add
@@ -102,7 +104,8 @@ def main() -> None:
         )
     print(f"CPU per zygote call, all processes: {cpu_ms:8.3f} ms over {options.calls} calls "
           "(machine-wide counters: other load on the machine counts too)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
