@@ -251,3 +251,43 @@ def run_in_pool_child(name: str) -> tuple[str, str | None, int]:
     spec = globals()[name]
     outcome = run_isolated(spec, spec.args_model(), make_context(name))
     return outcome.status, outcome.content, os.getpid()
+
+
+OPEN_FS = SandboxProfile(filesystem="open")
+
+
+@tool(timeout=5, sandbox=OPEN_FS)
+def replace_own_workdir(ctx: ToolContext) -> str:
+    """Delete the call's own workdir and put a fresh directory in its place."""
+    import shutil
+
+    assert ctx.workdir is not None
+    os.chdir("/")
+    shutil.rmtree(ctx.workdir)
+    os.mkdir(ctx.workdir)
+    return "replaced"
+
+
+@tool(timeout=5, sandbox=OPEN_FS)
+def swap_workdir_for_symlink(target: str, ctx: ToolContext) -> str:
+    """Delete the call's own workdir and leave a symlink to `target` in its place."""
+    import shutil
+
+    assert ctx.workdir is not None
+    os.chdir("/")
+    shutil.rmtree(ctx.workdir)
+    os.symlink(target, ctx.workdir)
+    return "swapped"
+
+
+@tool(timeout=5)
+def leave_unreadable_directory(ctx: ToolContext) -> str:
+    """Leave a mode-0 directory (with a file in it) and a read-only one in the workdir."""
+    assert ctx.workdir is not None
+    for name, mode in (("locked", 0), ("readonly", 0o500)):
+        path = os.path.join(ctx.workdir, name)
+        os.makedirs(os.path.join(path, "inner"))
+        with open(os.path.join(path, "inner", "file"), "w") as handle:
+            handle.write("x")
+        os.chmod(path, mode)
+    return "left"

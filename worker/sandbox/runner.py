@@ -22,14 +22,9 @@ from __future__ import annotations
 import logging
 import os
 import select
-import shutil
 import signal
-import stat
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,6 +44,7 @@ from worker.sandbox.import_paths import private_import_roots
 from worker.sandbox.limits import cpu_seconds
 from worker.sandbox.profile import Layer, SandboxProfile
 from worker.sandbox.read_paths import DEVICE_PATHS, code_read_paths
+from worker.sandbox.workdir import Workdir, make_workdir, remove_workdir
 from worker.sandbox.zygote import (
     ZygoteToolError,
     locate,
@@ -67,7 +63,6 @@ OUTPUT_FLOOD_BYTES = 16 * 1024 * 1024
 RESULT_MAX_BYTES = 16 * 1024 * 1024
 """Largest JSON outcome accepted from a child."""
 CANCEL_POLL_SECONDS = 0.2
-WORKDIR_ROOT_ENV = "TOOLCHORD_SANDBOX_DIR"
 
 _log = logging.getLogger("toolchord.sandbox")
 _warned: set[str] = set()
@@ -159,16 +154,13 @@ def _run_in_process(
     if spec.context_param is None:
         # Only a handler that takes its ToolContext can know the workdir: skip making one.
         return call_handler(spec, args, context)
-    workdir = _make_workdir()
+    workdir = make_workdir()
     try:
-        return call_handler(spec, args, context.model_copy(update={"workdir": workdir}))
+        return call_handler(
+            spec, args, context.model_copy(update={"workdir": workdir.path})
+        )
     finally:
-        _remove_tree(workdir)
-
-
-def _make_workdir() -> str:
-    root = os.environ.get(WORKDIR_ROOT_ENV) or tempfile.gettempdir()
-    return tempfile.mkdtemp(prefix="toolchord-call-", dir=root)
+        remove_workdir(workdir)
 
 
 def _reap_finished() -> None:
@@ -182,30 +174,6 @@ def _reap_finished() -> None:
                 _unreaped.discard(pid)
 
 
-def _remove_tree(path: str) -> None:
-    def make_writable(
-        function: Callable[..., object], failed: str, _exc: BaseException
-    ) -> None:
-        # A handler may leave read-only directories behind; the owner (or root) can fix the mode.
-        os.chmod(os.path.dirname(failed), stat.S_IRWXU)
-        if os.path.isdir(failed) and not os.path.islink(failed):
-            os.chmod(failed, stat.S_IRWXU)
-        function(failed)
-
-    try:
-        if sys.version_info >= (3, 12):
-            shutil.rmtree(path, onexc=make_writable)
-        else:
-            shutil.rmtree(
-                path,
-                onerror=lambda function, failed, info: make_writable(
-                    function, failed, info[1]
-                ),
-            )
-    except OSError as exc:
-        _log.warning("could not remove sandbox workdir %s: %s", path, exc)
-
-
 def _supervise(
     spec: ToolSpec,
     args: BaseModel,
@@ -213,29 +181,25 @@ def _supervise(
     limit: float,
     caps: SandboxCapabilities,
 ) -> HandlerOutcome:
-    workdir = _make_workdir()
+    workdir = make_workdir()
     watch: _Watch | None = None
     try:
-        watch = _start(spec, args, context, limit, workdir, caps)
+        watch = _start(spec, args, context, limit, workdir.path, caps)
         return watch.outcome(_planned_layers(spec.sandbox, caps))
     finally:
         _clean_up(watch, workdir)
 
 
-def _clean_up(watch: _Watch | None, workdir: str) -> None:
+def _clean_up(watch: _Watch | None, workdir: Workdir) -> None:
     """Remove the workdir; wait for the child's end now only if it has to be gone first."""
     if watch is None or watch.child.ended:
-        _remove_tree(workdir)
-        if watch is not None:
-            watch.child.release()
-        return
-    try:
-        shutil.rmtree(workdir)
-    except OSError:
+        remove_workdir(workdir)
+    elif not remove_workdir(workdir):
         # A killed grandchild may still have been finishing a write: remove once the group is gone.
         watch.child.reap(block=True)
-        _remove_tree(workdir)
-    watch.child.release()
+        remove_workdir(workdir)
+    if watch is not None:
+        watch.child.release()
 
 
 def _planned_layers(profile: SandboxProfile, caps: SandboxCapabilities) -> list[str]:
