@@ -291,3 +291,35 @@ def leave_unreadable_directory(ctx: ToolContext) -> str:
             handle.write("x")
         os.chmod(path, mode)
     return "left"
+
+
+@tool(timeout=30, sandbox=SandboxProfile(memory_mb=512, max_processes=16))
+def fork_and_allocate(children: int, megabytes: int) -> str:
+    """Fork children that each fill `megabytes` of memory and hold it; count those that got there."""
+    import select
+
+    read_fd, write_fd = os.pipe()
+    for _ in range(children):
+        if os.fork() == 0:
+            block = b"\x01" * (megabytes * 1024 * 1024)  # written, so really resident
+            os.write(write_fd, b"1")
+            time.sleep(60)
+            os._exit(len(block) and 0)
+    os.close(write_fd)
+    held = 0
+    deadline = time.monotonic() + 20
+    while held < children and time.monotonic() < deadline:
+        if select.select([read_fd], [], [], 0.5)[0]:
+            held += len(os.read(read_fd, children))
+    return f"{held} children held {megabytes} MB at once"
+
+
+@tool(timeout=10, sandbox=SandboxProfile(disk_mb=8))
+def fill_workdir(ctx: ToolContext, megabytes: int) -> int:
+    """Write 1 MB files into the workdir until `megabytes` are written."""
+    assert ctx.workdir is not None
+    chunk = b"\x02" * (1024 * 1024)
+    for index in range(megabytes):
+        with open(os.path.join(ctx.workdir, f"part-{index}"), "wb") as handle:
+            handle.write(chunk)
+    return megabytes

@@ -166,7 +166,7 @@ def test_describe_layers_names_every_layer() -> None:
     from worker.sandbox import describe_layers
 
     line = describe_layers()
-    for layer in ("rlimits", "uid", "landlock", "seccomp", "netns"):
+    for layer in ("rlimits", "uid", "landlock", "seccomp", "netns", "cgroup", "disk"):
         assert layer in line
 
 
@@ -198,7 +198,7 @@ def test_with_only_rlimits_available_calls_still_run_with_a_warning(
     degraded = real.model_copy(
         update={
             layer: getattr(real, layer).model_copy(update=off)
-            for layer in ("uid", "landlock", "seccomp", "netns")
+            for layer in ("uid", "landlock", "seccomp", "netns", "cgroup", "disk")
         }
     )
     monkeypatch.setattr(capabilities, "_cached", degraded)
@@ -217,5 +217,5 @@ def test_with_only_rlimits_available_calls_still_run_with_a_warning(
     # The environment block the kernel set up at exec time is zeroed, not just unlinked.
     assert env.data["self"].strip("\x00") == ""
     warned = " ".join(record.getMessage() for record in caplog.records)
-    for layer in ("uid", "landlock", "seccomp"):
+    for layer in ("uid", "landlock", "seccomp", "cgroup", "disk"):
         assert f"sandbox layer {layer} requested but unavailable" in warned

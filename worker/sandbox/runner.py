@@ -32,6 +32,7 @@ from pydantic import BaseModel
 
 from worker.context import ToolContext
 from worker.execution import HandlerOutcome, call_handler
+from worker.sandbox import cgroup
 from worker.sandbox.capabilities import LAYERS, SandboxCapabilities, probe
 from worker.sandbox.child import (
     RESULT_HEADER_BYTES,
@@ -74,9 +75,9 @@ _unreaped_lock = threading.Lock()
 
 
 def requested_layers(profile: SandboxProfile) -> frozenset[Layer]:
-    """The layers a profile asks for: always rlimits, uid and seccomp; Landlock for a confined
-    filesystem or no network; a network namespace when the network is off."""
-    layers: set[Layer] = {"rlimits", "uid", "seccomp"}
+    """The layers a profile asks for: always rlimits, uid, seccomp, cgroup and disk; Landlock for
+    a confined filesystem or no network; a network namespace when the network is off."""
+    layers: set[Layer] = {"rlimits", "uid", "seccomp", "cgroup", "disk"}
     if profile.filesystem == "confined" or not profile.network:
         layers.add("landlock")
     if not profile.network:
@@ -107,6 +108,7 @@ def run_isolated(
                 )
             return _run_in_process(spec, args, context)
         _reap_finished()
+        cgroup.remove_pending()
         caps = probe()
         missing_required = caps.missing(profile.required)
         if missing_required:
@@ -182,12 +184,34 @@ def _supervise(
     caps: SandboxCapabilities,
 ) -> HandlerOutcome:
     workdir = make_workdir()
+    call_cgroup = _make_cgroup(spec.sandbox, caps)
     watch: _Watch | None = None
     try:
-        watch = _start(spec, args, context, limit, workdir.path, caps)
-        return watch.outcome(_planned_layers(spec.sandbox, caps))
+        watch = _start(spec, args, context, limit, workdir.path, caps, call_cgroup)
+        return watch.outcome(
+            _planned_layers(spec.sandbox, caps, with_cgroup=call_cgroup is not None)
+        )
     finally:
+        if call_cgroup is not None:
+            cgroup.release(call_cgroup)
         _clean_up(watch, workdir)
+
+
+def _make_cgroup(
+    profile: SandboxProfile, caps: SandboxCapabilities
+) -> cgroup.CallCgroup | None:
+    """The call's cgroup, when the layer is available; a failure is logged once per reason."""
+    if "cgroup" not in caps.available():
+        return None
+    try:
+        return cgroup.CallCgroup.create(cgroup.hierarchies(), profile)
+    except OSError as exc:
+        with _warned_lock:
+            first = str(exc) not in _warned
+            _warned.add(str(exc))
+        if first:
+            _log.warning("could not create a cgroup for a call (%s); it runs without", exc)
+        return None
 
 
 def _clean_up(watch: _Watch | None, workdir: Workdir) -> None:
@@ -202,13 +226,17 @@ def _clean_up(watch: _Watch | None, workdir: Workdir) -> None:
         watch.child.release()
 
 
-def _planned_layers(profile: SandboxProfile, caps: SandboxCapabilities) -> list[str]:
+def _planned_layers(
+    profile: SandboxProfile, caps: SandboxCapabilities, with_cgroup: bool
+) -> list[str]:
     """Layers the child was set up to apply; reported when it ends without saying (timeout, crash)."""
     available = caps.available()
     return [
         layer
         for layer in LAYERS
-        if layer in available and (layer != "netns" or not profile.network)
+        if layer in available
+        and (layer != "netns" or not profile.network)
+        and (layer != "cgroup" or with_cgroup)
     ]
 
 
@@ -316,9 +344,16 @@ class _Layers:
     landlock_abi: int
     write_paths: tuple[str, ...]
     seccomp_program: bytes | None
+    cgroup_procs: tuple[str, ...]
+    disk_quota: bool
 
     @classmethod
-    def plan(cls, profile: SandboxProfile, caps: SandboxCapabilities) -> _Layers:
+    def plan(
+        cls,
+        profile: SandboxProfile,
+        caps: SandboxCapabilities,
+        call_cgroup: cgroup.CallCgroup | None,
+    ) -> _Layers:
         available = caps.available()
         seccomp_program = None
         if "seccomp" in available:
@@ -331,6 +366,8 @@ class _Layers:
             landlock_abi=caps.landlock_abi if "landlock" in available else 0,
             write_paths=(*DEVICE_PATHS, *profile.write_paths),
             seccomp_program=seccomp_program,
+            cgroup_procs=call_cgroup.procs_files if call_cgroup is not None else (),
+            disk_quota="disk" in available,
         )
 
 
@@ -341,8 +378,9 @@ def _start(
     limit: float,
     workdir: str,
     caps: SandboxCapabilities,
+    call_cgroup: cgroup.CallCgroup | None,
 ) -> _Watch:
-    layers = _Layers.plan(spec.sandbox, caps)
+    layers = _Layers.plan(spec.sandbox, caps, call_cgroup)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     res_r, res_w = os.pipe2(os.O_CLOEXEC)
     ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
@@ -360,7 +398,9 @@ def _start(
     started = time.monotonic()
     for fd in child_fds:
         os.close(fd)
-    watch = _Watch(child, out_r, res_r, ctl_w, spec, context, limit, started)
+    watch = _Watch(
+        child, out_r, res_r, ctl_w, spec, context, limit, started, call_cgroup
+    )
     try:
         watch.run()
     finally:
@@ -409,6 +449,8 @@ def _start_in_zygote(
         seccomp_program=layers.seccomp_program.hex()
         if layers.seccomp_program
         else None,
+        cgroup_procs=layers.cgroup_procs,
+        disk_quota=layers.disk_quota,
     )
     try:
         return zygote_client().submit(
@@ -449,6 +491,8 @@ def _fork_worker(
         seccomp_program=layers.seccomp_program,
         import_roots=private_import_roots() if layers.drop_uid else (),
         required=profile.required,
+        cgroup_procs=layers.cgroup_procs,
+        disk_quota=layers.disk_quota,
     )
     pid = os.fork()
     if pid == 0:
@@ -487,8 +531,10 @@ class _Watch:
         context: ToolContext,
         limit: float,
         started: float,
+        call_cgroup: cgroup.CallCgroup | None = None,
     ) -> None:
         self.child = child
+        self.cgroup = call_cgroup
         self.out_fd = out_fd
         self.result_fd = result_fd
         self.control_fd = control_fd
@@ -528,6 +574,7 @@ class _Watch:
                 break
             if now >= next_cancel_poll:
                 self._check_cancel(now)
+                self._check_memory()
                 next_cancel_poll = now + CANCEL_POLL_SECONDS
             wake = min(self._next_deadline(), next_cancel_poll)
             wait_ms = max(0, int((wake - now) * 1000) + 1)
@@ -550,6 +597,10 @@ class _Watch:
         # after its result) while the leader, alive or zombie, still holds the group id; then
         # take what was written before.
         self.child.kill_group(signal.SIGKILL)
+        if self.cgroup is not None:
+            # Also what left the group (a setsid'd grandchild where seccomp is off).
+            self.cgroup.kill_all()
+        self._check_memory()
         for fd in open_fds:
             while self._read(fd):
                 pass
@@ -597,6 +648,20 @@ class _Watch:
                 os.write(self.control_fd, b"c")
             except OSError:
                 pass
+
+    def _check_memory(self) -> None:
+        """End the call once the kernel killed one of its processes at the cgroup's limit: the
+        limit is the call's, like its timeout (cgroup v1 kills only the largest process)."""
+        if self.cgroup is None or self.kill_reason is not None:
+            return
+        killed = self.cgroup.oom_kills()
+        if killed:
+            self._stop(
+                "MemoryLimitExceeded",
+                f"the call exceeded its memory limit of {self.spec.sandbox.memory_mb} MiB "
+                f"(all of its processes together): the kernel killed {killed} of its processes "
+                "and the rest of the call was stopped",
+            )
 
     def _read(self, fd: int) -> bool:
         """Read one chunk; False at end of file or when nothing is available."""

@@ -342,6 +342,8 @@ def _plan(
         import_roots=roots if payload.drop_uid else (),
         required=payload.profile.required,
         environment=payload.environment,
+        cgroup_procs=payload.cgroup_procs,
+        disk_quota=payload.disk_quota,
         # Already a group leader, in the zygote's session, which has no controlling terminal.
         new_session=False,
     )

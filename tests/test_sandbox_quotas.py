@@ -1,0 +1,72 @@
+"""Limits for the call as a whole: memory and processes (cgroup layer), bytes written (disk layer)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import sandbox_tools as tools
+from worker.execution import HandlerOutcome
+from worker.sandbox import cgroup, probe, run_isolated
+from worker.sandbox.workdir import sandbox_root
+from worker.tools import ToolSpec
+
+
+def run(spec: ToolSpec, **arguments: Any) -> HandlerOutcome:
+    return run_isolated(spec, spec.args_model(**arguments), tools.make_context(spec.name))
+
+
+def call_cgroups() -> list[Path]:
+    """This process's call cgroups, once those of ended calls had time to be removed."""
+    deadline = time.monotonic() + 10
+    while not cgroup.remove_pending() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    found = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _id, controllers, path = line.split(":", 2)
+        if controllers in ("memory", "pids", ""):
+            base = Path("/sys/fs/cgroup", controllers or "unified") / path.lstrip("/")
+            if base.is_dir():
+                found += list(base.glob(f"toolchord-call-{os.getpid()}-*"))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("cgroup" not in probe().available(), reason="needs the cgroup layer")
+def test_children_together_cannot_exceed_the_memory_limit() -> None:
+    # 4 x 400 MB under memory_mb=512: RLIMIT_AS alone allows each child its 400 MB.
+    outcome = run(tools.fork_and_allocate, children=4, megabytes=400)
+    assert (outcome.status, outcome.error_type) == ("crashed", "MemoryLimitExceeded"), outcome
+    assert "512 MiB" in (outcome.error_message or "")
+    assert "cgroup" in outcome.sandbox_layers
+    # Every process of the call is gone with its cgroup.
+    assert call_cgroups() == []
+    later = run(tools.add, a=1, b=2)
+    assert (later.status, later.content) == ("ok", "3"), later
+
+
+@pytest.mark.skipif("cgroup" not in probe().available(), reason="needs the cgroup layer")
+def test_calls_report_the_cgroup_layer_and_leave_no_cgroup() -> None:
+    outcome = run(tools.where_am_i)
+    assert outcome.status == "ok" and "cgroup" in outcome.sandbox_layers, outcome
+    assert call_cgroups() == []
+
+
+@pytest.mark.skipif("disk" not in probe().available(), reason="needs the disk layer")
+def test_writing_more_than_the_disk_quota_fails_cleanly() -> None:
+    before = os.statvfs(sandbox_root().path)
+    outcome = run(tools.fill_workdir, megabytes=64)
+    assert (outcome.status, outcome.error_type) == ("error", "OSError"), outcome
+    assert "No space left on device" in (outcome.error_message or "")
+    assert "disk" in outcome.sandbox_layers
+    # Nothing reached the host's disk, and nothing is left behind.
+    after = os.statvfs(sandbox_root().path)
+    assert (before.f_bfree - after.f_bfree) * after.f_frsize < 32 * 1024 * 1024
+    root = Path(sandbox_root().path)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o711
+    assert not list(root.glob("toolchord-call-*"))
