@@ -31,6 +31,8 @@ CGROUP_FS = "/sys/fs/cgroup"
 KILL_ROUNDS = 64
 """Read-and-kill passes before giving up on a call whose processes keep appearing."""
 
+CALL_PREFIX = "toolchord-call-"
+"""Call cgroups are named CALL_PREFIX + the worker process's pid + a counter."""
 EXIT_WAIT_SECONDS = 1.0
 """How long a worker process that exits waits for the cgroups of its last calls to empty."""
 
@@ -60,7 +62,31 @@ def hierarchies() -> tuple[Hierarchy, ...]:
     with _lock:
         if _found is None or _found[0] != os.getpid():
             _found = (os.getpid(), find_hierarchies())
+            _remove_stale(_found[1])
         return _found[1]
+
+
+def _remove_stale(found: tuple[Hierarchy, ...]) -> None:
+    """Kill and remove call cgroups of worker processes that died before removing them."""
+    for hierarchy in found:
+        try:
+            names = os.listdir(hierarchy.path)
+        except OSError:
+            continue
+        for name in names:
+            owner = name.removeprefix(CALL_PREFIX).split("-")[0]
+            if not name.startswith(CALL_PREFIX) or not owner.isdigit():
+                continue
+            try:
+                os.kill(int(owner), 0)
+                continue  # its worker process is alive
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+            stale = CallCgroup(((hierarchy, os.path.join(hierarchy.path, name)),))
+            stale.kill_all()
+            stale.remove()
 
 
 def find_hierarchies() -> tuple[Hierarchy, ...]:
@@ -147,7 +173,7 @@ class CallCgroup:
         cls, hierarchies: tuple[Hierarchy, ...], profile: SandboxProfile
     ) -> CallCgroup:
         """Make the call's cgroup with the profile's limits."""
-        name = f"toolchord-call-{os.getpid()}-{next(_counter)}"
+        name = f"{CALL_PREFIX}{os.getpid()}-{next(_counter)}"
         made: list[tuple[Hierarchy, str]] = []
         cgroup = cls(())
         try:
