@@ -323,3 +323,10 @@ def fill_workdir(ctx: ToolContext, megabytes: int) -> int:
         with open(os.path.join(ctx.workdir, f"part-{index}"), "wb") as handle:
             handle.write(chunk)
     return megabytes
+
+
+@tool(timeout=5, sandbox=OPEN_FS)
+def read_file_open(path: str) -> str:
+    """Read a file with no Landlock filesystem rules."""
+    with open(path) as handle:
+        return handle.read()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -70,3 +72,24 @@ def test_writing_more_than_the_disk_quota_fails_cleanly() -> None:
     root = Path(sandbox_root().path)
     assert stat.S_IMODE(root.stat().st_mode) == 0o711
     assert not list(root.glob("toolchord-call-*"))
+
+
+@pytest.mark.skipif("disk" not in probe().available(), reason="needs the disk layer")
+def test_worker_secret_files_are_hidden_even_with_an_open_filesystem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A world-readable secret in a world-searchable directory, named by a *_FILE setting as the
+    # deployments do: DAC alone would let the call's uid read it.
+    directory = Path(tempfile.mkdtemp(prefix="tc-secrets-"))
+    try:
+        directory.chmod(0o755)
+        secret = directory / "redis-url"
+        secret.write_text("redis://toolchord:hunter2@redis:6379/0")
+        secret.chmod(0o644)
+        monkeypatch.setenv("TOOLCHORD_BROKER_URL_FILE", str(secret))
+        outcome = run(tools.read_file_open, path=str(secret))
+        assert (outcome.status, outcome.error_type) == ("error", "FileNotFoundError"), outcome
+        assert "hunter2" not in (outcome.content or "") + outcome.output
+        assert secret.read_text().endswith("@redis:6379/0")
+    finally:
+        shutil.rmtree(directory)

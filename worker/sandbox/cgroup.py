@@ -236,7 +236,7 @@ class CallCgroup:
             for pid in fresh:
                 try:
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
+                except (ProcessLookupError, PermissionError):
                     pass
             killed |= fresh
 
@@ -315,6 +315,8 @@ def _remove_at_exit() -> None:
 
 
 atexit.register(_remove_at_exit)
+# A forked process (a Celery pool child) leaves its parent's cgroups to the parent.
+os.register_at_fork(after_in_child=_pending_removal.clear)
 
 
 def join(procs_files: tuple[str, ...]) -> None:

@@ -77,7 +77,8 @@ class ChildPlan:
     `env_allow` variables when the forking process (the zygote) does not have them; None takes
     them from this process's environment. `cgroup_procs` are the `cgroup.procs` files of the call's
     cgroup, joined before anything else (empty: no cgroup layer); `disk_quota` mounts the workdir
-    as a tmpfs of the profile's `disk_mb` in a mount namespace of the call's own. `new_session` False makes the child only a process
+    as a tmpfs of the profile's `disk_mb` in a mount namespace of the call's own, where
+    `hidden_paths` (the worker's secret directories) are covered by empty ones. `new_session` False makes the child only a process
     group leader: enough for the group kill when the forking process has no controlling terminal
     (the zygote), and much cheaper where the kernel creates a scheduler autogroup per session.
     """
@@ -103,6 +104,7 @@ class ChildPlan:
     new_session: bool = True
     cgroup_procs: tuple[str, ...] = ()
     disk_quota: bool = False
+    hidden_paths: tuple[str, ...] = ()
 
     @property
     def profile(self) -> SandboxProfile:
@@ -275,7 +277,7 @@ def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
     _reset_process_state()
     if plan.disk_quota:
         try:
-            disk.mount_workdir(plan.workdir, profile.disk_mb)
+            disk.mount_workdir(plan.workdir, profile.disk_mb, plan.hidden_paths)
             applied.append("disk")
         except OSError as exc:
             failures["disk"] = str(exc)

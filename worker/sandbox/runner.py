@@ -34,6 +34,7 @@ from worker.context import ToolContext
 from worker.execution import HandlerOutcome, call_handler
 from worker.sandbox import cgroup
 from worker.sandbox.capabilities import LAYERS, SandboxCapabilities, probe
+from worker.sandbox.disk import secret_directories
 from worker.sandbox.child import (
     RESULT_HEADER_BYTES,
     RESULT_MAGIC,
@@ -346,6 +347,7 @@ class _Layers:
     seccomp_program: bytes | None
     cgroup_procs: tuple[str, ...]
     disk_quota: bool
+    hidden_paths: tuple[str, ...]
 
     @classmethod
     def plan(
@@ -353,6 +355,7 @@ class _Layers:
         profile: SandboxProfile,
         caps: SandboxCapabilities,
         call_cgroup: cgroup.CallCgroup | None,
+        workdir: str,
     ) -> _Layers:
         available = caps.available()
         seccomp_program = None
@@ -368,6 +371,7 @@ class _Layers:
             seccomp_program=seccomp_program,
             cgroup_procs=call_cgroup.procs_files if call_cgroup is not None else (),
             disk_quota="disk" in available,
+            hidden_paths=secret_directories(workdir) if "disk" in available else (),
         )
 
 
@@ -380,7 +384,7 @@ def _start(
     caps: SandboxCapabilities,
     call_cgroup: cgroup.CallCgroup | None,
 ) -> _Watch:
-    layers = _Layers.plan(spec.sandbox, caps, call_cgroup)
+    layers = _Layers.plan(spec.sandbox, caps, call_cgroup, workdir)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     res_r, res_w = os.pipe2(os.O_CLOEXEC)
     ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
@@ -451,6 +455,7 @@ def _start_in_zygote(
         else None,
         cgroup_procs=layers.cgroup_procs,
         disk_quota=layers.disk_quota,
+        hidden_paths=layers.hidden_paths,
     )
     try:
         return zygote_client().submit(
@@ -493,6 +498,7 @@ def _fork_worker(
         required=profile.required,
         cgroup_procs=layers.cgroup_procs,
         disk_quota=layers.disk_quota,
+        hidden_paths=layers.hidden_paths,
     )
     pid = os.fork()
     if pid == 0:

@@ -105,6 +105,9 @@ class CallPayload(BaseModel):
     disk_quota: bool = Field(
         default=False, description="Mount the workdir as a tmpfs of the profile's disk_mb."
     )
+    hidden_paths: tuple[str, ...] = Field(
+        default=(), description="Directories covered by an empty tmpfs (with disk_quota)."
+    )
 
 
 class ZygoteReply(BaseModel):

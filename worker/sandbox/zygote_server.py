@@ -344,6 +344,7 @@ def _plan(
         environment=payload.environment,
         cgroup_procs=payload.cgroup_procs,
         disk_quota=payload.disk_quota,
+        hidden_paths=payload.hidden_paths,
         # Already a group leader, in the zygote's session, which has no controlling terminal.
         new_session=False,
     )
