@@ -165,17 +165,14 @@ def _probe() -> SandboxCapabilities:
         if probe_cgroup is not None:
             cgroup.release(probe_cgroup)
     if probe_cgroup is not None:
-        cgroup_status = LayerStatus(
-            available=bool(trial.get("cgroup")),
-            detail=cgroup_status.detail
-            if trial.get("cgroup")
-            else f"joining failed: {trial.get('cgroup_error')}",
+        cgroup_status = _trial_status(
+            trial, "cgroup", cgroup_status.detail, "joining failed"
         )
-    disk_status = LayerStatus(
-        available=bool(trial.get("disk")),
-        detail="a size-limited tmpfs workdir per call, in a private mount namespace"
-        if trial.get("disk")
-        else f"per-call tmpfs failed: {trial.get('disk_error')}",
+    disk_status = _trial_status(
+        trial,
+        "disk",
+        "a size-limited tmpfs workdir per call, in a private mount namespace",
+        "per-call tmpfs failed",
     )
     if abi and not trial.get("landlock", False):
         landlock_status = LayerStatus(
@@ -190,11 +187,8 @@ def _probe() -> SandboxCapabilities:
             if ok
             else f"load failed: {trial.get('seccomp_error')}",
         )
-    netns = LayerStatus(
-        available=bool(trial.get("netns")),
-        detail="loopback-only network namespace"
-        if trial.get("netns")
-        else f"unshare failed: {trial.get('netns_error')}",
+    netns = _trial_status(
+        trial, "netns", "loopback-only network namespace", "unshare failed"
     )
     return SandboxCapabilities(
         rlimits=rlimits,
@@ -205,6 +199,17 @@ def _probe() -> SandboxCapabilities:
         cgroup=cgroup_status,
         disk=disk_status,
         landlock_abi=abi,
+    )
+
+
+def _trial_status(
+    trial: dict[str, object], layer: str, detail: str, failure: str
+) -> LayerStatus:
+    """A layer the trial child applied (`detail`), or why not (`failure`: its error)."""
+    if trial.get(layer):
+        return LayerStatus(available=True, detail=detail)
+    return LayerStatus(
+        available=False, detail=f"{failure}: {trial.get(f'{layer}_error')}"
     )
 
 
