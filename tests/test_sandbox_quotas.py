@@ -15,7 +15,7 @@ import pytest
 from tests import sandbox_tools as tools
 from worker.execution import HandlerOutcome
 from worker.sandbox import cgroup, probe, run_isolated
-from worker.sandbox.workdir import sandbox_root
+from worker.sandbox.workdir import sandbox_root, wait_for_removals
 from worker.tools import ToolSpec
 
 
@@ -69,6 +69,7 @@ def test_writing_more_than_the_disk_quota_fails_cleanly() -> None:
     # Nothing reached the host's disk, and nothing is left behind.
     after = os.statvfs(sandbox_root().path)
     assert (before.f_bfree - after.f_bfree) * after.f_frsize < 32 * 1024 * 1024
+    wait_for_removals()
     root = Path(sandbox_root().path)
     assert stat.S_IMODE(root.stat().st_mode) == 0o711
     assert not list(root.glob("toolchord-call-*"))

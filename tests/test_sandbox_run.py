@@ -11,6 +11,7 @@ import pytest
 from tests import sandbox_tools as tools
 from worker.execution import HandlerOutcome
 from worker.sandbox import SandboxCapabilities, probe, run_isolated
+from worker.sandbox.workdir import wait_for_removals
 from worker.tools import ToolSpec
 
 
@@ -40,6 +41,7 @@ def test_handler_runs_in_a_fresh_workdir_that_is_removed_afterwards() -> None:
     assert first.data["cwd"] == first.data["workdir"]
     assert first.data["workdir"] != second.data["workdir"]
     assert first.data["pid"] != os.getpid()
+    wait_for_removals()
     assert not os.path.exists(first.data["workdir"])
     assert not os.path.exists(second.data["workdir"])
 

@@ -20,7 +20,7 @@ from tests import sandbox_tools as tools
 from tests.unprivileged import WORKER_UID, run_unprivileged
 from worker.execution import HandlerOutcome
 from worker.sandbox import run_isolated
-from worker.sandbox.workdir import WORKDIR_ROOT_ENV, SandboxRootError, sandbox_root
+from worker.sandbox.workdir import WORKDIR_ROOT_ENV, SandboxRootError, sandbox_root, wait_for_removals
 from worker.tools import ToolSpec
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play both worker kinds")
@@ -52,6 +52,7 @@ def outside(host_tmp: Path) -> Path:
 
 
 def assert_untouched(host_tmp: Path, outside: Path) -> None:
+    wait_for_removals()
     assert stat.S_IMODE(host_tmp.stat().st_mode) == 0o1777
     assert stat.S_IMODE(outside.stat().st_mode) == 0o755
     assert (outside / "keep.txt").read_text() == "keep"
@@ -113,4 +114,5 @@ def test_unprivileged_worker_removes_directories_left_without_permissions(host_t
 def test_root_worker_removes_directories_left_without_permissions(host_tmp: Path) -> None:
     outcome = run(tools.leave_unreadable_directory)
     assert (outcome.status, outcome.content) == ("ok", "left"), outcome
+    wait_for_removals()
     assert not [p for p in host_tmp.rglob("toolchord-call-*")]

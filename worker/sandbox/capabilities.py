@@ -157,7 +157,7 @@ def _probe() -> SandboxCapabilities:
         trial = _try_in_child(
             abi,
             program,
-            probe_cgroup.procs_files if probe_cgroup is not None else (),
+            probe_cgroup.join_files if probe_cgroup is not None else (),
             mount_point,
         )
     finally:

@@ -189,10 +189,13 @@ class CallCgroup:
         return cgroup
 
     @property
-    def procs_files(self) -> tuple[str, ...]:
-        """The `cgroup.procs` files the child writes itself into."""
+    def join_files(self) -> tuple[str, ...]:
+        """The files the (single-threaded) child writes "0" into to join: v1 `tasks`, which moves
+        just the writing thread without the global lock a `cgroup.procs` write takes (that lock
+        waits for an RCU grace period: 10 ms and more on a busy machine); v2 `cgroup.procs`."""
         return tuple(
-            os.path.join(directory, "cgroup.procs") for _h, directory in self.directories
+            os.path.join(directory, "cgroup.procs" if hierarchy.version == 2 else "tasks")
+            for hierarchy, directory in self.directories
         )
 
     def _memory_directory(self) -> tuple[Hierarchy, str] | None:
@@ -319,9 +322,9 @@ atexit.register(_remove_at_exit)
 os.register_at_fork(after_in_child=_pending_removal.clear)
 
 
-def join(procs_files: tuple[str, ...]) -> None:
-    """In the child: move this process into the call's cgroup (every hierarchy)."""
-    for path in procs_files:
+def join(join_files: tuple[str, ...]) -> None:
+    """In the child, while it has a single thread: move it into the call's cgroup."""
+    for path in join_files:
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         try:
             os.write(fd, b"0")

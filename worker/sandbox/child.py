@@ -75,7 +75,7 @@ class ChildPlan:
     validated, checked again against the tool's model only once the child is confined (model
     validators are user code). `environment` holds the worker's values of the profile's
     `env_allow` variables when the forking process (the zygote) does not have them; None takes
-    them from this process's environment. `cgroup_procs` are the `cgroup.procs` files of the call's
+    them from this process's environment. `cgroup_join` are the files of the call's
     cgroup, joined before anything else (empty: no cgroup layer); `disk_quota` mounts the workdir
     as a tmpfs of the profile's `disk_mb` in a mount namespace of the call's own, where
     `hidden_paths` (the worker's secret directories) are covered by empty ones. `new_session` False makes the child only a process
@@ -102,7 +102,7 @@ class ChildPlan:
     required: frozenset[Layer] = field(default_factory=frozenset)
     environment: Mapping[str, str] | None = None
     new_session: bool = True
-    cgroup_procs: tuple[str, ...] = ()
+    cgroup_join: tuple[str, ...] = ()
     disk_quota: bool = False
     hidden_paths: tuple[str, ...] = ()
 
@@ -267,10 +267,10 @@ def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
     profile = plan.profile
     applied: list[Layer] = []
     failures: dict[Layer, str] = {}
-    if plan.cgroup_procs:
+    if plan.cgroup_join:
         # First: everything the call does from here on counts against its cgroup's limits.
         try:
-            cgroup.join(plan.cgroup_procs)
+            cgroup.join(plan.cgroup_join)
             applied.append("cgroup")
         except OSError as exc:
             failures["cgroup"] = str(exc)

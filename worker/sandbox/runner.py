@@ -46,7 +46,12 @@ from worker.sandbox.import_paths import private_import_roots
 from worker.sandbox.limits import cpu_seconds
 from worker.sandbox.profile import Layer, SandboxProfile
 from worker.sandbox.read_paths import DEVICE_PATHS, code_read_paths
-from worker.sandbox.workdir import Workdir, make_workdir, remove_workdir
+from worker.sandbox.workdir import (
+    Workdir,
+    make_workdir,
+    remove_workdir,
+    remove_workdir_later,
+)
 from worker.sandbox.zygote import (
     ZygoteToolError,
     locate,
@@ -195,7 +200,7 @@ def _supervise(
     finally:
         if call_cgroup is not None:
             cgroup.release(call_cgroup)
-        _clean_up(watch, workdir)
+        _clean_up(watch, workdir, mounted="disk" in caps.available())
 
 
 def _make_cgroup(
@@ -215,9 +220,14 @@ def _make_cgroup(
         return None
 
 
-def _clean_up(watch: _Watch | None, workdir: Workdir) -> None:
-    """Remove the workdir; wait for the child's end now only if it has to be gone first."""
-    if watch is None or watch.child.ended:
+def _clean_up(watch: _Watch | None, workdir: Workdir, mounted: bool) -> None:
+    """Remove the workdir; wait for the child's end now only if it has to be gone first.
+
+    A workdir the child mounted its tmpfs on holds nothing here: it is removed in the
+    background (see `remove_workdir_later`)."""
+    if mounted and watch is not None:
+        remove_workdir_later(workdir)
+    elif watch is None or watch.child.ended:
         remove_workdir(workdir)
     elif not remove_workdir(workdir):
         # A killed grandchild may still have been finishing a write: remove once the group is gone.
@@ -345,7 +355,7 @@ class _Layers:
     landlock_abi: int
     write_paths: tuple[str, ...]
     seccomp_program: bytes | None
-    cgroup_procs: tuple[str, ...]
+    cgroup_join: tuple[str, ...]
     disk_quota: bool
     hidden_paths: tuple[str, ...]
 
@@ -369,7 +379,7 @@ class _Layers:
             landlock_abi=caps.landlock_abi if "landlock" in available else 0,
             write_paths=(*DEVICE_PATHS, *profile.write_paths),
             seccomp_program=seccomp_program,
-            cgroup_procs=call_cgroup.procs_files if call_cgroup is not None else (),
+            cgroup_join=call_cgroup.join_files if call_cgroup is not None else (),
             disk_quota="disk" in available,
             hidden_paths=secret_directories(workdir) if "disk" in available else (),
         )
@@ -453,7 +463,7 @@ def _start_in_zygote(
         seccomp_program=layers.seccomp_program.hex()
         if layers.seccomp_program
         else None,
-        cgroup_procs=layers.cgroup_procs,
+        cgroup_join=layers.cgroup_join,
         disk_quota=layers.disk_quota,
         hidden_paths=layers.hidden_paths,
     )
@@ -496,7 +506,7 @@ def _fork_worker(
         seccomp_program=layers.seccomp_program,
         import_roots=private_import_roots() if layers.drop_uid else (),
         required=profile.required,
-        cgroup_procs=layers.cgroup_procs,
+        cgroup_join=layers.cgroup_join,
         disk_quota=layers.disk_quota,
         hidden_paths=layers.hidden_paths,
     )

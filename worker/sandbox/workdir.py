@@ -13,9 +13,11 @@ nothing above or outside the call's own workdir is ever changed.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import os
+import queue
 import secrets
 import stat
 import tempfile
@@ -30,6 +32,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _log = logging.getLogger("toolchord.sandbox")
 _lock = threading.Lock()
 _root: SandboxRoot | None = None
+_janitor: tuple[int, queue.Queue[Workdir]] | None = None
 
 
 class SandboxRootError(OSError):
@@ -136,6 +139,47 @@ def remove_workdir(workdir: Workdir) -> bool:
         _log.warning("could not remove sandbox workdir %s: %s", workdir.path, exc)
         return False
     return True
+
+
+def remove_workdir_later(workdir: Workdir) -> None:
+    """Remove the workdir in this process's background thread, off the call's path.
+
+    For workdirs that are a mount point in a call's mount namespace that may still be alive:
+    removing one detaches that mount, which waits for an RCU grace period (milliseconds, more on
+    a busy machine).
+    """
+    global _janitor
+    with _lock:
+        if _janitor is None or _janitor[0] != os.getpid():
+            pending: queue.Queue[Workdir] = queue.Queue()
+            threading.Thread(
+                target=_remove_queued,
+                args=(pending,),
+                name="toolchord-workdir-removal",
+                daemon=True,
+            ).start()
+            _janitor = (os.getpid(), pending)
+        pending = _janitor[1]
+    pending.put(workdir)
+
+
+def _remove_queued(pending: queue.Queue[Workdir]) -> None:
+    while True:
+        workdir = pending.get()
+        try:
+            remove_workdir(workdir)
+        finally:
+            pending.task_done()
+
+
+def wait_for_removals() -> None:
+    """Return once every workdir handed to `remove_workdir_later` is removed (also at exit)."""
+    janitor = _janitor
+    if janitor is not None and janitor[0] == os.getpid():
+        janitor[1].join()
+
+
+atexit.register(wait_for_removals)
 
 
 def _remove_entry(parent_fd: int, name: str) -> None:
