@@ -7,15 +7,17 @@ import shutil
 import stat
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests import sandbox_tools as tools
+from tests.unprivileged import WORKER_UID, run_unprivileged
 from worker.execution import HandlerOutcome
 from worker.sandbox import cgroup, probe, run_isolated
-from worker.sandbox.workdir import sandbox_root, wait_for_removals
+from worker.sandbox.workdir import WORKDIR_ROOT_ENV, sandbox_root, wait_for_removals
 from worker.tools import ToolSpec
 
 
@@ -60,7 +62,18 @@ def test_calls_report_the_cgroup_layer_and_leave_no_cgroup() -> None:
 
 
 @pytest.mark.skipif("disk" not in probe().available(), reason="needs the disk layer")
-def test_writing_more_than_the_disk_quota_fails_cleanly() -> None:
+def test_writing_more_than_the_disk_quota_fails_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A root of its own, in a directory the per-call uid can pass through.
+    parent = Path(tempfile.mkdtemp(prefix="tc-quota-"))
+    parent.chmod(0o755)
+    monkeypatch.setenv(WORKDIR_ROOT_ENV, str(parent / "sandbox"))
+    try:
+        check_disk_quota()
+    finally:
+        shutil.rmtree(parent)
+
+
+def check_disk_quota() -> None:
     before = os.statvfs(sandbox_root().path)
     outcome = run(tools.fill_workdir, megabytes=64)
     assert (outcome.status, outcome.error_type) == ("error", "OSError"), outcome
@@ -94,3 +107,37 @@ def test_worker_secret_files_are_hidden_even_with_an_open_filesystem(
         assert secret.read_text().endswith("@redis:6379/0")
     finally:
         shutil.rmtree(directory)
+
+
+@pytest.fixture
+def delegated_cgroup() -> Iterator[tuple[str, ...]]:
+    """v1 memory and pids cgroups owned by the unprivileged worker's uid, as a delegation gives."""
+    try:
+        found = cgroup.find_hierarchies()
+    except OSError as exc:
+        pytest.skip(f"no writable cgroup hierarchy: {exc}")
+    if found[0].version != 1:
+        pytest.skip("delegation is set up here for cgroup v1 only")
+    directories = tuple(os.path.join(h.path, f"tc-delegated-{os.getpid()}") for h in found)
+    for directory in directories:
+        os.mkdir(directory)
+        for path in (directory, os.path.join(directory, "tasks"), os.path.join(directory, "cgroup.procs")):
+            os.chown(path, WORKER_UID, WORKER_UID)
+    yield directories
+    # The worker process ended with os._exit: kill and remove what its last call left.
+    for hierarchy, directory in zip(found, directories, strict=True):
+        for child in Path(directory).iterdir():
+            if child.is_dir():
+                left = cgroup.CallCgroup(((hierarchy, str(child)),))
+                deadline = time.monotonic() + 10
+                while not (left.kill_all() or left.remove()) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        os.rmdir(directory)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to set up the unprivileged worker")
+def test_unprivileged_worker_in_a_delegated_cgroup_bounds_the_call(delegated_cgroup: tuple[str, ...]) -> None:
+    outcome = run_unprivileged("fork_and_allocate", cgroups=delegated_cgroup, children=4, megabytes=400)
+    assert (outcome.status, outcome.error_type) == ("crashed", "MemoryLimitExceeded"), outcome
+    assert "cgroup" in outcome.sandbox_layers and "uid" not in outcome.sandbox_layers

@@ -17,8 +17,10 @@ WORKER_UID = 61_234
 """An unprivileged uid no other test process uses."""
 
 
-def run_unprivileged(name: str, env: dict[str, str] | None = None, **arguments: Any) -> HandlerOutcome:
-    """Run sandbox tool `name` through run_isolated in a forked worker process running as WORKER_UID."""
+def run_unprivileged(name: str, env: dict[str, str] | None = None, cgroups: tuple[str, ...] = (),
+                     **arguments: Any) -> HandlerOutcome:
+    """Run sandbox tool `name` through run_isolated in a forked worker process running as WORKER_UID,
+    placed first in `cgroups` (directories delegated to that uid) when given."""
     from worker.sandbox import capabilities, runner, workdir, zygote
 
     read_fd, write_fd = os.pipe()
@@ -26,6 +28,9 @@ def run_unprivileged(name: str, env: dict[str, str] | None = None, **arguments: 
     if pid == 0:
         try:
             os.close(read_fd)
+            for directory in cgroups:
+                with open(os.path.join(directory, "cgroup.procs"), "w") as procs:
+                    procs.write("0")
             os.setgroups([])
             os.setgid(WORKER_UID)
             os.setuid(WORKER_UID)
