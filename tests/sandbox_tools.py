@@ -330,3 +330,16 @@ def read_file_open(path: str) -> str:
     """Read a file with no Landlock filesystem rules."""
     with open(path) as handle:
         return handle.read()
+
+
+@tool(timeout=5)
+def escape_and_sleep() -> int:
+    """Start a grandchild that leaves the process group (setsid) and sleeps; return its pid."""
+    read_fd, write_fd = os.pipe()
+    if os.fork() == 0:
+        os.setsid()
+        os.write(write_fd, str(os.getpid()).encode())
+        time.sleep(60)
+        os._exit(0)
+    os.close(write_fd)
+    return int(os.read(read_fd, 32))

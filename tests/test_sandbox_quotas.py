@@ -141,3 +141,28 @@ def test_unprivileged_worker_in_a_delegated_cgroup_bounds_the_call(delegated_cgr
     outcome = run_unprivileged("fork_and_allocate", cgroups=delegated_cgroup, children=4, megabytes=400)
     assert (outcome.status, outcome.error_type) == ("crashed", "MemoryLimitExceeded"), outcome
     assert "cgroup" in outcome.sandbox_layers and "uid" not in outcome.sandbox_layers
+
+
+@pytest.mark.skipif("cgroup" not in probe().available(), reason="needs the cgroup layer")
+def test_a_grandchild_that_left_the_process_group_dies_with_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.sandbox import capabilities
+
+    # Without seccomp a handler's subprocess can setsid() out of the group the call's end kills.
+    real = probe()
+    monkeypatch.setattr(capabilities, "_cached", real.model_copy(
+        update={"seccomp": real.seccomp.model_copy(update={"available": False})}))
+    outcome = run(tools.escape_and_sleep)
+    assert outcome.status == "ok" and "cgroup" in outcome.sandbox_layers, outcome
+    pid = int(outcome.content or "0")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat_file:
+                if stat_file.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break  # killed, waiting for its new parent to reap it
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        pytest.fail(f"the escaped grandchild {pid} outlived its call")

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from worker.sandbox.limits import MIB
 from worker.sandbox.profile import SandboxProfile
 
-CGROUP_FS = "/sys/fs/cgroup"
 KILL_ROUNDS = 64
 """Read-and-kill passes before giving up on a call whose processes keep appearing."""
 
@@ -223,6 +222,8 @@ class CallCgroup:
 
     def kill_all(self) -> None:
         """SIGKILL every process in the cgroup, including those forked while it runs."""
+        if not self.directories:
+            return
         hierarchy, directory = self.directories[0]
         if hierarchy.version == 2:
             try:
@@ -236,11 +237,7 @@ class CallCgroup:
             fresh = set(_read_pids(directory)) - killed
             if not fresh:
                 return
-            for pid in fresh:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            _kill_members(directory, fresh)
             killed |= fresh
 
     def remove(self) -> bool:
@@ -281,6 +278,28 @@ def _write(directory: str, name: str, value: str, optional: bool = False) -> Non
     except (FileNotFoundError, PermissionError):
         if not optional:
             raise
+
+
+def _kill_members(directory: str, pids: set[int]) -> None:
+    """SIGKILL those of `pids` that are still in the cgroup: through a pidfd taken before
+    checking, so that a pid reused meanwhile by another process is never signalled."""
+    handles: dict[int, int] = {}
+    for pid in pids:
+        try:
+            handles[pid] = os.pidfd_open(pid)
+        except OSError:
+            pass  # gone already
+    try:
+        members = set(_read_pids(directory))
+        for pid, handle in handles.items():
+            if pid in members:
+                try:
+                    signal.pidfd_send_signal(handle, signal.SIGKILL)
+                except OSError:
+                    pass
+    finally:
+        for handle in handles.values():
+            os.close(handle)
 
 
 def _read_pids(directory: str) -> list[int]:

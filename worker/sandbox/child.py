@@ -75,12 +75,13 @@ class ChildPlan:
     validated, checked again against the tool's model only once the child is confined (model
     validators are user code). `environment` holds the worker's values of the profile's
     `env_allow` variables when the forking process (the zygote) does not have them; None takes
-    them from this process's environment. `cgroup_join` are the files of the call's
-    cgroup, joined before anything else (empty: no cgroup layer); `disk_quota` mounts the workdir
-    as a tmpfs of the profile's `disk_mb` in a mount namespace of the call's own, where
-    `hidden_paths` (the worker's secret directories) are covered by empty ones. `new_session` False makes the child only a process
-    group leader: enough for the group kill when the forking process has no controlling terminal
-    (the zygote), and much cheaper where the kernel creates a scheduler autogroup per session.
+    them from this process's environment. `cgroup_join` are the files through which the child
+    joins its call's cgroup before anything else (empty: no cgroup layer); `disk_quota` mounts the
+    workdir as a tmpfs of the profile's `disk_mb` in a mount namespace of the call's own, where
+    `hidden_paths` (the worker's secret directories) are covered by empty ones. `new_session`
+    False makes the child only a process group leader: enough for the group kill when the forking
+    process has no controlling terminal (the zygote), and much cheaper where the kernel creates a
+    scheduler autogroup per session.
     """
 
     spec: ToolSpec
