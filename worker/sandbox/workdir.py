@@ -74,8 +74,7 @@ def sandbox_root() -> SandboxRoot:
     owner = (os.getpid(), os.geteuid(), path)
     with _lock:
         if _root is None or _root.owner != owner:
-            if _root is not None and _root.owner[0] == owner[0]:
-                os.close(_root.fd)
+            # A replaced root's descriptor stays open: workdirs queued for removal still use it.
             _root = None
             _root = _open_root(path, owner)
         return _root
