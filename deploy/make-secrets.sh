@@ -13,7 +13,9 @@
 # The directory is created mode 700 so other host users cannot read it. The files inside are
 # mode 644 on purpose: Docker Compose bind-mounts file secrets with their host permissions, and the
 # containers read them as non-root users (uid 10001 for toolchord, 999 for Redis) that do not own
-# them. Existing files are never overwritten, so re-running keeps the cluster's passwords.
+# them. A root worker (deploy/compose/uid-drop.override.yml) mounts this directory itself instead:
+# its mode 700 keeps the sandbox's per-call uids out. Existing files are never overwritten, so
+# re-running keeps the cluster's passwords.
 set -eu
 
 dir="${1:-secrets}"

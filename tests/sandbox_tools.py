@@ -251,3 +251,95 @@ def run_in_pool_child(name: str) -> tuple[str, str | None, int]:
     spec = globals()[name]
     outcome = run_isolated(spec, spec.args_model(), make_context(name))
     return outcome.status, outcome.content, os.getpid()
+
+
+OPEN_FS = SandboxProfile(filesystem="open")
+
+
+@tool(timeout=5, sandbox=OPEN_FS)
+def replace_own_workdir(ctx: ToolContext) -> str:
+    """Delete the call's own workdir and put a fresh directory in its place."""
+    import shutil
+
+    assert ctx.workdir is not None
+    os.chdir("/")
+    shutil.rmtree(ctx.workdir)
+    os.mkdir(ctx.workdir)
+    return "replaced"
+
+
+@tool(timeout=5, sandbox=OPEN_FS)
+def swap_workdir_for_symlink(target: str, ctx: ToolContext) -> str:
+    """Delete the call's own workdir and leave a symlink to `target` in its place."""
+    import shutil
+
+    assert ctx.workdir is not None
+    os.chdir("/")
+    shutil.rmtree(ctx.workdir)
+    os.symlink(target, ctx.workdir)
+    return "swapped"
+
+
+@tool(timeout=5)
+def leave_unreadable_directory(ctx: ToolContext) -> str:
+    """Leave a mode-0 directory (with a file in it) and a read-only one in the workdir."""
+    assert ctx.workdir is not None
+    for name, mode in (("locked", 0), ("readonly", 0o500)):
+        path = os.path.join(ctx.workdir, name)
+        os.makedirs(os.path.join(path, "inner"))
+        with open(os.path.join(path, "inner", "file"), "w") as handle:
+            handle.write("x")
+        os.chmod(path, mode)
+    return "left"
+
+
+@tool(timeout=30, sandbox=SandboxProfile(memory_mb=512, max_processes=16))
+def fork_and_allocate(children: int, megabytes: int) -> str:
+    """Fork children that each fill `megabytes` of memory and hold it; count those that got there."""
+    import select
+
+    read_fd, write_fd = os.pipe()
+    for _ in range(children):
+        if os.fork() == 0:
+            block = b"\x01" * (megabytes * 1024 * 1024)  # written, so really resident
+            os.write(write_fd, b"1")
+            time.sleep(60)
+            os._exit(len(block) and 0)
+    os.close(write_fd)
+    held = 0
+    deadline = time.monotonic() + 20
+    while held < children and time.monotonic() < deadline:
+        if select.select([read_fd], [], [], 0.5)[0]:
+            held += len(os.read(read_fd, children))
+    return f"{held} children held {megabytes} MB at once"
+
+
+@tool(timeout=10, sandbox=SandboxProfile(disk_mb=8))
+def fill_workdir(ctx: ToolContext, megabytes: int) -> int:
+    """Write 1 MB files into the workdir until `megabytes` are written."""
+    assert ctx.workdir is not None
+    chunk = b"\x02" * (1024 * 1024)
+    for index in range(megabytes):
+        with open(os.path.join(ctx.workdir, f"part-{index}"), "wb") as handle:
+            handle.write(chunk)
+    return megabytes
+
+
+@tool(timeout=5, sandbox=OPEN_FS)
+def read_file_open(path: str) -> str:
+    """Read a file with no Landlock filesystem rules."""
+    with open(path) as handle:
+        return handle.read()
+
+
+@tool(timeout=5)
+def escape_and_sleep() -> int:
+    """Start a grandchild that leaves the process group (setsid) and sleeps; return its pid."""
+    read_fd, write_fd = os.pipe()
+    if os.fork() == 0:
+        os.setsid()
+        os.write(write_fd, str(os.getpid()).encode())
+        time.sleep(60)
+        os._exit(0)
+    os.close(write_fd)
+    return int(os.read(read_fd, 32))

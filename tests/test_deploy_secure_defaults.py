@@ -293,3 +293,63 @@ def test_redis_acl_allows_what_celery_and_toolchord_use(acl_redis: dict[str, str
     assert claim is not None
     assert store.complete("acl-check", "token", '{"ok": true}', 60) == '{"ok": true}'
     assert client.xadd("toolchord:acl-check", {"event": "{}"})
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """Compose's merge tags (`!reset`, `!override`) as plain values tagged in a wrapper."""
+
+
+def _tagged(loader: yaml.SafeLoader, tag: str, node: yaml.Node) -> dict[str, Any]:
+    value = loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode) else (
+        loader.construct_mapping(node) if isinstance(node, yaml.MappingNode) else loader.construct_scalar(node))
+    return {"tag": tag, "value": value}
+
+
+_ComposeLoader.add_multi_constructor("!", _tagged)
+
+
+def _hidden(path: str) -> bool:
+    from worker.sandbox.disk import SECRET_DIRECTORIES
+
+    return any(path.startswith(directory + "/") for directory in SECRET_DIRECTORIES)
+
+
+def test_worker_secrets_sit_where_a_root_workers_calls_cannot_see_them() -> None:
+    """A root worker's calls get a mount namespace that hides these directories."""
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    assert _hidden(services["worker"]["environment"]["TOOLCHORD_BROKER_URL_FILE"])
+    for path in (ROOT / "deploy" / "k8s").glob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc["kind"] == "Deployment" and doc["metadata"]["name"] == "toolchord-worker":
+                mounts = doc["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+                secret_mounts = [m for m in mounts if m["name"] == "secrets"]
+                assert secret_mounts and all(_hidden(m["mountPath"] + "/") and m["readOnly"] for m in secret_mounts)
+    unit = (ROOT / "deploy" / "systemd" / "toolchord-worker.service").read_text()
+    # systemd credentials live under /run/credentials; the source file is root's alone.
+    assert "LoadCredential=broker-url:/etc/toolchord/broker-url" in unit
+    assert "install -m 600 -o root broker-url /etc/toolchord/broker-url" in unit
+
+
+def test_k8s_secret_files_are_not_readable_by_other_uids() -> None:
+    """No "other" permission bits: a per-call uid (no groups) cannot read a mounted secret."""
+    found = 0
+    for path in (ROOT / "deploy" / "k8s").glob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc or doc["kind"] not in ("Deployment", "StatefulSet"):
+                continue
+            for volume in doc["spec"]["template"]["spec"].get("volumes", []):
+                if "secret" in volume:
+                    found += 1
+                    assert volume["secret"]["defaultMode"] & 0o007 == 0, (path.name, volume["name"])
+    assert found
+
+
+def test_compose_root_worker_reads_its_secret_from_the_private_directory_only() -> None:
+    override = yaml.load((ROOT / "deploy" / "compose" / "uid-drop.override.yml").read_text(), Loader=_ComposeLoader)
+    worker = override["services"]["worker"]
+    # Nothing under /run/secrets, whose bind-mounted files keep their world-readable host mode ...
+    assert worker["secrets"] == {"tag": "reset", "value": []}
+    # ... the URL comes from the secrets directory (mode 0700, see make-secrets.sh) mounted read-only.
+    target = next(v.split(":")[1] for v in worker["volumes"] if v.startswith("./secrets:"))
+    assert any(v == f"./secrets:{target}:ro" for v in worker["volumes"])
+    assert worker["environment"]["TOOLCHORD_BROKER_URL_FILE"] == f"{target}/redis-url"

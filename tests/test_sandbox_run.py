@@ -11,6 +11,7 @@ import pytest
 from tests import sandbox_tools as tools
 from worker.execution import HandlerOutcome
 from worker.sandbox import SandboxCapabilities, probe, run_isolated
+from worker.sandbox.workdir import wait_for_removals
 from worker.tools import ToolSpec
 
 
@@ -40,6 +41,7 @@ def test_handler_runs_in_a_fresh_workdir_that_is_removed_afterwards() -> None:
     assert first.data["cwd"] == first.data["workdir"]
     assert first.data["workdir"] != second.data["workdir"]
     assert first.data["pid"] != os.getpid()
+    wait_for_removals()
     assert not os.path.exists(first.data["workdir"])
     assert not os.path.exists(second.data["workdir"])
 
@@ -166,7 +168,7 @@ def test_describe_layers_names_every_layer() -> None:
     from worker.sandbox import describe_layers
 
     line = describe_layers()
-    for layer in ("rlimits", "uid", "landlock", "seccomp", "netns"):
+    for layer in ("rlimits", "uid", "landlock", "seccomp", "netns", "cgroup", "disk"):
         assert layer in line
 
 
@@ -198,7 +200,7 @@ def test_with_only_rlimits_available_calls_still_run_with_a_warning(
     degraded = real.model_copy(
         update={
             layer: getattr(real, layer).model_copy(update=off)
-            for layer in ("uid", "landlock", "seccomp", "netns")
+            for layer in ("uid", "landlock", "seccomp", "netns", "cgroup", "disk")
         }
     )
     monkeypatch.setattr(capabilities, "_cached", degraded)
@@ -217,5 +219,5 @@ def test_with_only_rlimits_available_calls_still_run_with_a_warning(
     # The environment block the kernel set up at exec time is zeroed, not just unlinked.
     assert env.data["self"].strip("\x00") == ""
     warned = " ".join(record.getMessage() for record in caplog.records)
-    for layer in ("uid", "landlock", "seccomp"):
+    for layer in ("uid", "landlock", "seccomp", "cgroup", "disk"):
         assert f"sandbox layer {layer} requested but unavailable" in warned

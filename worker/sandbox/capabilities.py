@@ -13,12 +13,13 @@ import logging
 import os
 import resource
 import socket
+import tempfile
 import threading
 
 from pydantic import BaseModel, Field
 
-from worker.sandbox import landlock
-from worker.sandbox.profile import Layer
+from worker.sandbox import cgroup, disk, landlock
+from worker.sandbox.profile import Layer, SandboxProfile
 from worker.sandbox.syscalls import (
     CLONE_NEWNET,
     PR_SET_NO_NEW_PRIVS,
@@ -27,7 +28,15 @@ from worker.sandbox.syscalls import (
     unshare,
 )
 
-LAYERS: tuple[Layer, ...] = ("rlimits", "uid", "landlock", "seccomp", "netns")
+LAYERS: tuple[Layer, ...] = (
+    "rlimits",
+    "uid",
+    "landlock",
+    "seccomp",
+    "netns",
+    "cgroup",
+    "disk",
+)
 
 _lock = threading.Lock()
 _cached: SandboxCapabilities | None = None
@@ -49,6 +58,8 @@ class SandboxCapabilities(BaseModel):
     landlock: LayerStatus
     seccomp: LayerStatus
     netns: LayerStatus
+    cgroup: LayerStatus
+    disk: LayerStatus
     landlock_abi: int = Field(default=0, description="Landlock ABI version (0: none).")
 
     def status(self, layer: Layer) -> LayerStatus:
@@ -140,7 +151,29 @@ def _probe() -> SandboxCapabilities:
         )
     else:
         seccomp_status = LayerStatus(available=True, detail="")
-    trial = _try_in_child(abi, program)
+    probe_cgroup, cgroup_status = _probe_cgroup()
+    mount_point = tempfile.mkdtemp(prefix="toolchord-probe-")
+    try:
+        trial = _try_in_child(
+            abi,
+            program,
+            probe_cgroup.join_files if probe_cgroup is not None else (),
+            mount_point,
+        )
+    finally:
+        os.rmdir(mount_point)
+        if probe_cgroup is not None:
+            cgroup.release(probe_cgroup)
+    if probe_cgroup is not None:
+        cgroup_status = _trial_status(
+            trial, "cgroup", cgroup_status.detail, "joining failed"
+        )
+    disk_status = _trial_status(
+        trial,
+        "disk",
+        "a size-limited tmpfs workdir per call, in a private mount namespace",
+        "per-call tmpfs failed",
+    )
     if abi and not trial.get("landlock", False):
         landlock_status = LayerStatus(
             available=False,
@@ -154,11 +187,8 @@ def _probe() -> SandboxCapabilities:
             if ok
             else f"load failed: {trial.get('seccomp_error')}",
         )
-    netns = LayerStatus(
-        available=bool(trial.get("netns")),
-        detail="loopback-only network namespace"
-        if trial.get("netns")
-        else f"unshare failed: {trial.get('netns_error')}",
+    netns = _trial_status(
+        trial, "netns", "loopback-only network namespace", "unshare failed"
     )
     return SandboxCapabilities(
         rlimits=rlimits,
@@ -166,18 +196,59 @@ def _probe() -> SandboxCapabilities:
         landlock=landlock_status,
         seccomp=seccomp_status,
         netns=netns,
+        cgroup=cgroup_status,
+        disk=disk_status,
         landlock_abi=abi,
     )
 
 
-def _try_in_child(abi: int, program: bytes | None) -> dict[str, object]:
-    """Apply netns, Landlock and seccomp in a throwaway child and report what held."""
+def _trial_status(
+    trial: dict[str, object], layer: str, detail: str, failure: str
+) -> LayerStatus:
+    """A layer the trial child applied (`detail`), or why not (`failure`: its error)."""
+    if trial.get(layer):
+        return LayerStatus(available=True, detail=detail)
+    return LayerStatus(
+        available=False, detail=f"{failure}: {trial.get(f'{layer}_error')}"
+    )
+
+
+def _probe_cgroup() -> tuple[cgroup.CallCgroup | None, LayerStatus]:
+    """A throwaway call cgroup for the trial child to join, or why there is none."""
+    try:
+        found = cgroup.hierarchies()
+        trial = cgroup.CallCgroup.create(found, SandboxProfile())
+    except OSError as exc:
+        return None, LayerStatus(available=False, detail=str(exc))
+    version = found[0].version
+    return trial, LayerStatus(
+        available=True,
+        detail=f"memory and processes counted per call (cgroup v{version})",
+    )
+
+
+def _try_in_child(
+    abi: int, program: bytes | None, cgroup_procs: tuple[str, ...], mount_point: str
+) -> dict[str, object]:
+    """Apply the cgroup, a private tmpfs, netns, Landlock and seccomp in a throwaway child and
+    report what held."""
     read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:
         try:
             os.close(read_fd)
             report: dict[str, object] = {}
+            if cgroup_procs:
+                try:
+                    cgroup.join(cgroup_procs)
+                    report["cgroup"] = True
+                except OSError as exc:
+                    report["cgroup_error"] = str(exc)
+            try:
+                disk.mount_workdir(mount_point, 1)
+                report["disk"] = True
+            except OSError as exc:
+                report["disk_error"] = str(exc)
             try:
                 unshare(CLONE_NEWNET)
                 report["netns"] = True

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from worker.context import ToolContext
 from worker.execution import HandlerOutcome, call_handler
-from worker.sandbox import landlock
+from worker.sandbox import cgroup, disk, landlock
 from worker.sandbox.import_paths import ImportRoot, redirect_imports
 from worker.sandbox.limits import apply_rlimits, mapped_bytes
 from worker.sandbox.profile import Layer, SandboxProfile
@@ -75,9 +75,13 @@ class ChildPlan:
     validated, checked again against the tool's model only once the child is confined (model
     validators are user code). `environment` holds the worker's values of the profile's
     `env_allow` variables when the forking process (the zygote) does not have them; None takes
-    them from this process's environment. `new_session` False makes the child only a process
-    group leader: enough for the group kill when the forking process has no controlling terminal
-    (the zygote), and much cheaper where the kernel creates a scheduler autogroup per session.
+    them from this process's environment. `cgroup_join` are the files through which the child
+    joins its call's cgroup before anything else (empty: no cgroup layer); `disk_quota` mounts the
+    workdir as a tmpfs of the profile's `disk_mb` in a mount namespace of the call's own, where
+    `hidden_paths` (the worker's secret directories) are covered by empty ones. `new_session`
+    False makes the child only a process group leader: enough for the group kill when the forking
+    process has no controlling terminal (the zygote), and much cheaper where the kernel creates a
+    scheduler autogroup per session.
     """
 
     spec: ToolSpec
@@ -99,6 +103,9 @@ class ChildPlan:
     required: frozenset[Layer] = field(default_factory=frozenset)
     environment: Mapping[str, str] | None = None
     new_session: bool = True
+    cgroup_join: tuple[str, ...] = ()
+    disk_quota: bool = False
+    hidden_paths: tuple[str, ...] = ()
 
     @property
     def profile(self) -> SandboxProfile:
@@ -261,7 +268,20 @@ def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
     profile = plan.profile
     applied: list[Layer] = []
     failures: dict[Layer, str] = {}
+    if plan.cgroup_join:
+        # First: everything the call does from here on counts against its cgroup's limits.
+        try:
+            cgroup.join(plan.cgroup_join)
+            applied.append("cgroup")
+        except OSError as exc:
+            failures["cgroup"] = str(exc)
     _reset_process_state()
+    if plan.disk_quota:
+        try:
+            disk.mount_workdir(plan.workdir, profile.disk_mb, plan.hidden_paths)
+            applied.append("disk")
+        except OSError as exc:
+            failures["disk"] = str(exc)
     if plan.netns:
         try:
             unshare(CLONE_NEWNET)
@@ -274,7 +294,13 @@ def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
         redirect_imports(
             {root.path: FIRST_ROOT_FD + i for i, root in enumerate(plan.import_roots)}
         )
-    apply_rlimits(profile, plan.timeout)
+    apply_rlimits(
+        profile,
+        plan.timeout,
+        # Without a cgroup, RLIMIT_NPROC is what bounds the call's total memory, and it counts
+        # only this call's processes when the call has a uid of its own.
+        strict_processes="cgroup" not in applied and plan.drop_uid and profile.uid is None,
+    )
     applied.append("rlimits")
     if plan.drop_uid:
         try:

@@ -9,6 +9,9 @@ import resource
 from worker.sandbox.profile import SandboxProfile
 
 MIB = 1024 * 1024
+NO_CGROUP_MAX_PROCESSES = 8
+"""RLIMIT_NPROC of a call without the cgroup layer (at most): RLIMIT_AS is per process, so the
+call's total address space is bounded by this many times (forked image + `memory_mb`)."""
 
 
 def cpu_seconds(profile: SandboxProfile, timeout: float) -> int:
@@ -33,8 +36,19 @@ def _set(kind: int, soft: int, hard: int) -> None:
     resource.setrlimit(kind, (soft, hard))
 
 
-def apply_rlimits(profile: SandboxProfile, timeout: float) -> None:
-    """Set soft and hard limits; the hard ones cannot be raised again by the unprivileged child."""
+def max_processes(profile: SandboxProfile, strict: bool) -> int:
+    """RLIMIT_NPROC for a call; `strict` (no cgroup) caps it at NO_CGROUP_MAX_PROCESSES."""
+    return min(profile.max_processes, NO_CGROUP_MAX_PROCESSES) if strict else profile.max_processes
+
+
+def apply_rlimits(
+    profile: SandboxProfile, timeout: float, strict_processes: bool = False
+) -> None:
+    """Set soft and hard limits; the hard ones cannot be raised again by the unprivileged child.
+
+    `strict_processes`: the call has no cgroup but a uid of its own, so a low RLIMIT_NPROC
+    bounds its total memory (see `max_processes`).
+    """
     cpu = cpu_seconds(profile, timeout)
     # Soft limit -> SIGXCPU, one second later the hard limit -> SIGKILL.
     _set(resource.RLIMIT_CPU, cpu, cpu + 1)
@@ -43,6 +57,7 @@ def apply_rlimits(profile: SandboxProfile, timeout: float) -> None:
     _set(resource.RLIMIT_NOFILE, profile.max_open_files, profile.max_open_files)
     file_size = profile.max_file_size_mb * MIB
     _set(resource.RLIMIT_FSIZE, file_size, file_size)
-    _set(resource.RLIMIT_NPROC, profile.max_processes, profile.max_processes)
+    processes = max_processes(profile, strict_processes)
+    _set(resource.RLIMIT_NPROC, processes, processes)
     # A crashing handler must not leave core files (possibly holding worker secrets) behind.
     _set(resource.RLIMIT_CORE, 0, 0)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Layer = Literal["rlimits", "uid", "landlock", "seccomp", "netns"]
+Layer = Literal["rlimits", "uid", "landlock", "seccomp", "netns", "cgroup", "disk"]
 
 
 class SandboxProfile(BaseModel):
@@ -34,9 +34,18 @@ class SandboxProfile(BaseModel):
         default=1024,
         ge=16,
         description=(
-            "Address space the call may add, in MiB: RLIMIT_AS is set to the size of the forked "
+            "Memory of the call, in MiB. With the cgroup layer: the memory all of the call's "
+            "processes use together. Always: RLIMIT_AS of each process is the size of the forked "
             "image (the zygote, or the worker on a direct fork) plus this, so a large worker does "
             "not starve small tools."
+        ),
+    )
+    disk_mb: int = Field(
+        default=256,
+        ge=1,
+        description=(
+            "Bytes the call may write in its workdir, in MiB (the disk layer: a tmpfs of this "
+            "size, which with the cgroup layer also counts against memory_mb)."
         ),
     )
     cpu_seconds: int | None = Field(

@@ -22,14 +22,9 @@ from __future__ import annotations
 import logging
 import os
 import select
-import shutil
 import signal
-import stat
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,7 +32,9 @@ from pydantic import BaseModel
 
 from worker.context import ToolContext
 from worker.execution import HandlerOutcome, call_handler
+from worker.sandbox import cgroup
 from worker.sandbox.capabilities import LAYERS, SandboxCapabilities, probe
+from worker.sandbox.disk import secret_directories
 from worker.sandbox.child import (
     RESULT_HEADER_BYTES,
     RESULT_MAGIC,
@@ -49,6 +46,12 @@ from worker.sandbox.import_paths import private_import_roots
 from worker.sandbox.limits import cpu_seconds
 from worker.sandbox.profile import Layer, SandboxProfile
 from worker.sandbox.read_paths import DEVICE_PATHS, code_read_paths
+from worker.sandbox.workdir import (
+    Workdir,
+    make_workdir,
+    remove_workdir,
+    remove_workdir_later,
+)
 from worker.sandbox.zygote import (
     ZygoteToolError,
     locate,
@@ -67,7 +70,6 @@ OUTPUT_FLOOD_BYTES = 16 * 1024 * 1024
 RESULT_MAX_BYTES = 16 * 1024 * 1024
 """Largest JSON outcome accepted from a child."""
 CANCEL_POLL_SECONDS = 0.2
-WORKDIR_ROOT_ENV = "TOOLCHORD_SANDBOX_DIR"
 
 _log = logging.getLogger("toolchord.sandbox")
 _warned: set[str] = set()
@@ -79,9 +81,9 @@ _unreaped_lock = threading.Lock()
 
 
 def requested_layers(profile: SandboxProfile) -> frozenset[Layer]:
-    """The layers a profile asks for: always rlimits, uid and seccomp; Landlock for a confined
-    filesystem or no network; a network namespace when the network is off."""
-    layers: set[Layer] = {"rlimits", "uid", "seccomp"}
+    """The layers a profile asks for: always rlimits, uid, seccomp, cgroup and disk; Landlock for
+    a confined filesystem or no network; a network namespace when the network is off."""
+    layers: set[Layer] = {"rlimits", "uid", "seccomp", "cgroup", "disk"}
     if profile.filesystem == "confined" or not profile.network:
         layers.add("landlock")
     if not profile.network:
@@ -112,6 +114,7 @@ def run_isolated(
                 )
             return _run_in_process(spec, args, context)
         _reap_finished()
+        cgroup.remove_pending()
         caps = probe()
         missing_required = caps.missing(profile.required)
         if missing_required:
@@ -159,16 +162,13 @@ def _run_in_process(
     if spec.context_param is None:
         # Only a handler that takes its ToolContext can know the workdir: skip making one.
         return call_handler(spec, args, context)
-    workdir = _make_workdir()
+    workdir = make_workdir()
     try:
-        return call_handler(spec, args, context.model_copy(update={"workdir": workdir}))
+        return call_handler(
+            spec, args, context.model_copy(update={"workdir": workdir.path})
+        )
     finally:
-        _remove_tree(workdir)
-
-
-def _make_workdir() -> str:
-    root = os.environ.get(WORKDIR_ROOT_ENV) or tempfile.gettempdir()
-    return tempfile.mkdtemp(prefix="toolchord-call-", dir=root)
+        remove_workdir(workdir)
 
 
 def _reap_finished() -> None:
@@ -182,30 +182,6 @@ def _reap_finished() -> None:
                 _unreaped.discard(pid)
 
 
-def _remove_tree(path: str) -> None:
-    def make_writable(
-        function: Callable[..., object], failed: str, _exc: BaseException
-    ) -> None:
-        # A handler may leave read-only directories behind; the owner (or root) can fix the mode.
-        os.chmod(os.path.dirname(failed), stat.S_IRWXU)
-        if os.path.isdir(failed) and not os.path.islink(failed):
-            os.chmod(failed, stat.S_IRWXU)
-        function(failed)
-
-    try:
-        if sys.version_info >= (3, 12):
-            shutil.rmtree(path, onexc=make_writable)
-        else:
-            shutil.rmtree(
-                path,
-                onerror=lambda function, failed, info: make_writable(
-                    function, failed, info[1]
-                ),
-            )
-    except OSError as exc:
-        _log.warning("could not remove sandbox workdir %s: %s", path, exc)
-
-
 def _supervise(
     spec: ToolSpec,
     args: BaseModel,
@@ -213,38 +189,65 @@ def _supervise(
     limit: float,
     caps: SandboxCapabilities,
 ) -> HandlerOutcome:
-    workdir = _make_workdir()
+    workdir = make_workdir()
+    call_cgroup = _make_cgroup(spec.sandbox, caps)
     watch: _Watch | None = None
     try:
-        watch = _start(spec, args, context, limit, workdir, caps)
-        return watch.outcome(_planned_layers(spec.sandbox, caps))
+        watch = _start(spec, args, context, limit, workdir.path, caps, call_cgroup)
+        return watch.outcome(
+            _planned_layers(spec.sandbox, caps, with_cgroup=call_cgroup is not None)
+        )
     finally:
-        _clean_up(watch, workdir)
+        if call_cgroup is not None:
+            cgroup.release(call_cgroup)
+        _clean_up(watch, workdir, mounted="disk" in caps.available())
 
 
-def _clean_up(watch: _Watch | None, workdir: str) -> None:
-    """Remove the workdir; wait for the child's end now only if it has to be gone first."""
-    if watch is None or watch.child.ended:
-        _remove_tree(workdir)
-        if watch is not None:
-            watch.child.release()
-        return
+def _make_cgroup(
+    profile: SandboxProfile, caps: SandboxCapabilities
+) -> cgroup.CallCgroup | None:
+    """The call's cgroup, when the layer is available; a failure is logged once per reason."""
+    if "cgroup" not in caps.available():
+        return None
     try:
-        shutil.rmtree(workdir)
-    except OSError:
+        return cgroup.CallCgroup.create(cgroup.hierarchies(), profile)
+    except OSError as exc:
+        with _warned_lock:
+            first = str(exc) not in _warned
+            _warned.add(str(exc))
+        if first:
+            _log.warning("could not create a cgroup for a call (%s); it runs without", exc)
+        return None
+
+
+def _clean_up(watch: _Watch | None, workdir: Workdir, mounted: bool) -> None:
+    """Remove the workdir; wait for the child's end now only if it has to be gone first.
+
+    A workdir the child mounted its tmpfs on holds nothing here: it is removed in the
+    background (see `remove_workdir_later`)."""
+    if mounted and watch is not None:
+        remove_workdir_later(workdir)
+    elif watch is None or watch.child.ended:
+        remove_workdir(workdir)
+    elif not remove_workdir(workdir):
         # A killed grandchild may still have been finishing a write: remove once the group is gone.
         watch.child.reap(block=True)
-        _remove_tree(workdir)
-    watch.child.release()
+        remove_workdir(workdir)
+    if watch is not None:
+        watch.child.release()
 
 
-def _planned_layers(profile: SandboxProfile, caps: SandboxCapabilities) -> list[str]:
+def _planned_layers(
+    profile: SandboxProfile, caps: SandboxCapabilities, with_cgroup: bool
+) -> list[str]:
     """Layers the child was set up to apply; reported when it ends without saying (timeout, crash)."""
     available = caps.available()
     return [
         layer
         for layer in LAYERS
-        if layer in available and (layer != "netns" or not profile.network)
+        if layer in available
+        and (layer != "netns" or not profile.network)
+        and (layer != "cgroup" or with_cgroup)
     ]
 
 
@@ -352,9 +355,18 @@ class _Layers:
     landlock_abi: int
     write_paths: tuple[str, ...]
     seccomp_program: bytes | None
+    cgroup_join: tuple[str, ...]
+    disk_quota: bool
+    hidden_paths: tuple[str, ...]
 
     @classmethod
-    def plan(cls, profile: SandboxProfile, caps: SandboxCapabilities) -> _Layers:
+    def plan(
+        cls,
+        profile: SandboxProfile,
+        caps: SandboxCapabilities,
+        call_cgroup: cgroup.CallCgroup | None,
+        workdir: str,
+    ) -> _Layers:
         available = caps.available()
         seccomp_program = None
         if "seccomp" in available:
@@ -367,6 +379,9 @@ class _Layers:
             landlock_abi=caps.landlock_abi if "landlock" in available else 0,
             write_paths=(*DEVICE_PATHS, *profile.write_paths),
             seccomp_program=seccomp_program,
+            cgroup_join=call_cgroup.join_files if call_cgroup is not None else (),
+            disk_quota="disk" in available,
+            hidden_paths=secret_directories(workdir) if "disk" in available else (),
         )
 
 
@@ -377,8 +392,9 @@ def _start(
     limit: float,
     workdir: str,
     caps: SandboxCapabilities,
+    call_cgroup: cgroup.CallCgroup | None,
 ) -> _Watch:
-    layers = _Layers.plan(spec.sandbox, caps)
+    layers = _Layers.plan(spec.sandbox, caps, call_cgroup, workdir)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     res_r, res_w = os.pipe2(os.O_CLOEXEC)
     ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
@@ -396,7 +412,9 @@ def _start(
     started = time.monotonic()
     for fd in child_fds:
         os.close(fd)
-    watch = _Watch(child, out_r, res_r, ctl_w, spec, context, limit, started)
+    watch = _Watch(
+        child, out_r, res_r, ctl_w, spec, context, limit, started, call_cgroup
+    )
     try:
         watch.run()
     finally:
@@ -445,6 +463,9 @@ def _start_in_zygote(
         seccomp_program=layers.seccomp_program.hex()
         if layers.seccomp_program
         else None,
+        cgroup_join=layers.cgroup_join,
+        disk_quota=layers.disk_quota,
+        hidden_paths=layers.hidden_paths,
     )
     try:
         return zygote_client().submit(
@@ -485,6 +506,9 @@ def _fork_worker(
         seccomp_program=layers.seccomp_program,
         import_roots=private_import_roots() if layers.drop_uid else (),
         required=profile.required,
+        cgroup_join=layers.cgroup_join,
+        disk_quota=layers.disk_quota,
+        hidden_paths=layers.hidden_paths,
     )
     pid = os.fork()
     if pid == 0:
@@ -523,8 +547,10 @@ class _Watch:
         context: ToolContext,
         limit: float,
         started: float,
+        call_cgroup: cgroup.CallCgroup | None = None,
     ) -> None:
         self.child = child
+        self.cgroup = call_cgroup
         self.out_fd = out_fd
         self.result_fd = result_fd
         self.control_fd = control_fd
@@ -564,6 +590,7 @@ class _Watch:
                 break
             if now >= next_cancel_poll:
                 self._check_cancel(now)
+                self._check_memory()
                 next_cancel_poll = now + CANCEL_POLL_SECONDS
             wake = min(self._next_deadline(), next_cancel_poll)
             wait_ms = max(0, int((wake - now) * 1000) + 1)
@@ -586,6 +613,10 @@ class _Watch:
         # after its result) while the leader, alive or zombie, still holds the group id; then
         # take what was written before.
         self.child.kill_group(signal.SIGKILL)
+        if self.cgroup is not None:
+            # Also what left the group (a setsid'd grandchild where seccomp is off).
+            self.cgroup.kill_all()
+        self._check_memory()
         for fd in open_fds:
             while self._read(fd):
                 pass
@@ -633,6 +664,20 @@ class _Watch:
                 os.write(self.control_fd, b"c")
             except OSError:
                 pass
+
+    def _check_memory(self) -> None:
+        """End the call once the kernel killed one of its processes at the cgroup's limit: the
+        limit is the call's, like its timeout (cgroup v1 kills only the largest process)."""
+        if self.cgroup is None or self.kill_reason is not None:
+            return
+        killed = self.cgroup.oom_kills()
+        if killed:
+            self._stop(
+                "MemoryLimitExceeded",
+                f"the call exceeded its memory limit of {self.spec.sandbox.memory_mb} MiB "
+                f"(all of its processes together): the kernel killed {killed} of its processes "
+                "and the rest of the call was stopped",
+            )
 
     def _read(self, fd: int) -> bool:
         """Read one chunk; False at end of file or when nothing is available."""

@@ -16,6 +16,13 @@ PR_SET_SECCOMP = 22
 PR_SET_NO_NEW_PRIVS = 38
 SECCOMP_MODE_FILTER = 2
 CLONE_NEWNET = 0x40000000
+CLONE_NEWNS = 0x00020000
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -29,6 +36,14 @@ _libc.prctl.argtypes = [
 _libc.prctl.restype = ctypes.c_int
 _libc.unshare.argtypes = [ctypes.c_int]
 _libc.unshare.restype = ctypes.c_int
+_libc.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_char_p,
+]
+_libc.mount.restype = ctypes.c_int
 
 
 def _raise_errno(what: str) -> None:
@@ -50,6 +65,22 @@ def unshare(flags: int) -> None:
     """unshare(2); raises OSError on failure."""
     if _libc.unshare(flags) != 0:
         _raise_errno("unshare")
+
+
+def mount(
+    source: str | None,
+    target: str,
+    fstype: str | None,
+    flags: int,
+    data: str | None = None,
+) -> None:
+    """mount(2); raises OSError on failure."""
+
+    def encode(value: str | None) -> bytes | None:
+        return None if value is None else os.fsencode(value)
+
+    if _libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)) != 0:
+        _raise_errno(f"mount {target}")
 
 
 def syscall(number: int, *args: Any) -> int:

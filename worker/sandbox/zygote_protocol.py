@@ -99,6 +99,15 @@ class CallPayload(BaseModel):
     seccomp_program: str | None = Field(
         default=None, description="Prebuilt BPF program, hex; None: no seccomp layer."
     )
+    cgroup_join: tuple[str, ...] = Field(
+        default=(), description="Files the child writes 0 into to join its call's cgroup; empty: none."
+    )
+    disk_quota: bool = Field(
+        default=False, description="Mount the workdir as a tmpfs of the profile's disk_mb."
+    )
+    hidden_paths: tuple[str, ...] = Field(
+        default=(), description="Directories covered by an empty tmpfs (with disk_quota)."
+    )
 
 
 class ZygoteReply(BaseModel):

@@ -342,6 +342,9 @@ def _plan(
         import_roots=roots if payload.drop_uid else (),
         required=payload.profile.required,
         environment=payload.environment,
+        cgroup_join=payload.cgroup_join,
+        disk_quota=payload.disk_quota,
+        hidden_paths=payload.hidden_paths,
         # Already a group leader, in the zygote's session, which has no controlling terminal.
         new_session=False,
     )

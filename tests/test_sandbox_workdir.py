@@ -1,0 +1,118 @@
+"""Per-call workdirs: a private sandbox root, and a removal that never reaches above the workdir.
+
+Each test gets a stand-in for the host's temporary directory (world-writable and sticky, like
+/tmp) so that a regression damages only that, never the machine's /tmp.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import sandbox_tools as tools
+from tests.unprivileged import WORKER_UID, run_unprivileged
+from worker.execution import HandlerOutcome
+from worker.sandbox import run_isolated
+from worker.sandbox.workdir import WORKDIR_ROOT_ENV, SandboxRootError, sandbox_root, wait_for_removals
+from worker.tools import ToolSpec
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play both worker kinds")
+
+
+def run(spec: ToolSpec, **arguments: Any) -> HandlerOutcome:
+    return run_isolated(spec, spec.args_model(**arguments), tools.make_context(spec.name))
+
+
+@pytest.fixture
+def host_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fake host /tmp (mode 1777), reachable by any uid, used as the system temporary directory."""
+    path = Path(tempfile.mkdtemp(prefix="tc-host-tmp-"))
+    path.chmod(0o1777)
+    monkeypatch.delenv(WORKDIR_ROOT_ENV, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def outside(host_tmp: Path) -> Path:
+    """A directory outside every workdir, with a file in it."""
+    directory = host_tmp / "outside"
+    directory.mkdir(mode=0o755)
+    directory.chmod(0o755)
+    (directory / "keep.txt").write_text("keep")
+    return directory
+
+
+def assert_untouched(host_tmp: Path, outside: Path) -> None:
+    wait_for_removals()
+    assert stat.S_IMODE(host_tmp.stat().st_mode) == 0o1777
+    assert stat.S_IMODE(outside.stat().st_mode) == 0o755
+    assert (outside / "keep.txt").read_text() == "keep"
+
+
+def test_default_root_is_a_private_directory_not_the_temporary_directory(host_tmp: Path) -> None:
+    outcome = run(tools.where_am_i)
+    assert outcome.status == "ok", outcome
+    root = Path(outcome.data["workdir"]).parent
+    assert root.parent == host_tmp and root != host_tmp
+    info = root.lstat()
+    assert stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
+    assert stat.S_IMODE(info.st_mode) == 0o711
+
+
+def test_a_root_planted_by_someone_else_is_refused(host_tmp: Path, outside: Path) -> None:
+    # Someone else's symlink where the default root would be: it must not be used or followed.
+    (host_tmp / f"toolchord-sandbox-{os.geteuid()}").symlink_to(outside)
+    with pytest.raises(SandboxRootError):
+        sandbox_root()
+    outcome = run(tools.add, a=1, b=2)
+    assert (outcome.status, outcome.error_type, outcome.started) == ("error", "SandboxError", False)
+    assert_untouched(host_tmp, outside)
+
+
+def test_handler_replacing_its_workdir_leaves_the_root_alone(host_tmp: Path, outside: Path) -> None:
+    replaced = run(tools.replace_own_workdir)
+    swapped = run(tools.swap_workdir_for_symlink, target=str(outside))
+    for outcome in (replaced, swapped):
+        assert outcome.status in ("ok", "error"), outcome
+    assert_untouched(host_tmp, outside)
+    assert not [p for p in host_tmp.rglob("toolchord-call-*")]
+    later = run(tools.where_am_i)
+    assert later.status == "ok", later
+
+
+@ROOT_ONLY
+def test_unprivileged_worker_whose_handler_swaps_its_workdir(host_tmp: Path, outside: Path) -> None:
+    replaced = run_unprivileged("replace_own_workdir")
+    swapped = run_unprivileged("swap_workdir_for_symlink", target=str(outside))
+    # The handler runs as the worker's own uid: it may replace its workdir, never more.
+    assert (replaced.status, replaced.content) == ("ok", "replaced"), replaced
+    assert (swapped.status, swapped.content) == ("ok", "swapped"), swapped
+    assert_untouched(host_tmp, outside)
+    root = host_tmp / f"toolchord-sandbox-{WORKER_UID}"
+    assert stat.S_IMODE(root.stat().st_mode) == 0o711 and list(root.iterdir()) == []
+    later = run_unprivileged("where_am_i")
+    assert later.status == "ok", later
+
+
+@ROOT_ONLY
+def test_unprivileged_worker_removes_directories_left_without_permissions(host_tmp: Path) -> None:
+    outcome = run_unprivileged("leave_unreadable_directory")
+    assert (outcome.status, outcome.content) == ("ok", "left"), outcome
+    root = host_tmp / f"toolchord-sandbox-{WORKER_UID}"
+    assert list(root.iterdir()) == []
+
+
+def test_root_worker_removes_directories_left_without_permissions(host_tmp: Path) -> None:
+    outcome = run(tools.leave_unreadable_directory)
+    assert (outcome.status, outcome.content) == ("ok", "left"), outcome
+    wait_for_removals()
+    assert not [p for p in host_tmp.rglob("toolchord-call-*")]

@@ -1,0 +1,57 @@
+"""Run sandboxed calls from an unprivileged worker process: a fork of the test process that drops
+to an ordinary uid before it calls `run_isolated`, so no per-call uid is involved.
+
+The interpreter may live under a private home that the uid cannot read, so the worker process is
+forked (everything it needs is imported first) and its calls use direct forks, not a zygote.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from tests import sandbox_tools as tools
+from worker.execution import HandlerOutcome
+
+WORKER_UID = 61_234
+"""An unprivileged uid no other test process uses."""
+
+
+def run_unprivileged(name: str, env: dict[str, str] | None = None, cgroups: tuple[str, ...] = (),
+                     **arguments: Any) -> HandlerOutcome:
+    """Run sandbox tool `name` through run_isolated in a forked worker process running as WORKER_UID,
+    placed first in `cgroups` (directories delegated to that uid) when given."""
+    from worker.sandbox import capabilities, runner, workdir, zygote
+
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_fd)
+            for directory in cgroups:
+                with open(os.path.join(directory, "cgroup.procs"), "w") as procs:
+                    procs.write("0")
+            os.setgroups([])
+            os.setgid(WORKER_UID)
+            os.setuid(WORKER_UID)
+            os.environ.update(env or {})
+            capabilities._cached = None
+            zygote.set_zygote_enabled(False)
+            workdir._root = None
+            spec = getattr(tools, name)
+            outcome = runner.run_isolated(spec, spec.args_model(**arguments), tools.make_context(name))
+            body = outcome.model_dump_json().encode()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test as a value
+            body = HandlerOutcome(status="error", error_type="WorkerRaised",
+                                  error_message=f"{type(exc).__name__}: {exc}").model_dump_json().encode()
+        try:
+            os.write(write_fd, body)
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    chunks = []
+    while chunk := os.read(read_fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(read_fd)
+    os.waitpid(pid, 0)
+    return HandlerOutcome.model_validate_json(b"".join(chunks))

@@ -1,0 +1,264 @@
+"""Per-call working directories: created in a private sandbox root, removed without following links.
+
+The root is `$TOOLCHORD_SANDBOX_DIR`, by default `toolchord-sandbox-<euid>` in the system temporary
+directory: never the temporary directory itself, which is shared with the whole host. It must be a
+real directory owned by the worker's user and not writable by anyone else (checked on an open
+descriptor, so a symlink planted in its place is refused); it is made searchable (not listable)
+by other users so that the per-call uids reach their own workdir.
+
+Removal works on descriptors from that root down (`openat`/`unlinkat`, `O_NOFOLLOW`): whatever the
+handler left behind (its workdir removed, renamed, replaced by a symlink, directories of mode 0),
+nothing above or outside the call's own workdir is ever changed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import logging
+import os
+import queue
+import secrets
+import stat
+import tempfile
+import threading
+from dataclasses import dataclass
+
+WORKDIR_ROOT_ENV = "TOOLCHORD_SANDBOX_DIR"
+WORKDIR_PREFIX = "toolchord-call-"
+_ROOT_SEARCHABLE = stat.S_IXGRP | stat.S_IXOTH
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+_log = logging.getLogger("toolchord.sandbox")
+_lock = threading.Lock()
+_root: SandboxRoot | None = None
+_janitor: tuple[int, queue.Queue[Workdir]] | None = None
+
+
+class SandboxRootError(OSError):
+    """The sandbox root is missing, unsafe or unusable."""
+
+
+@dataclass(frozen=True)
+class SandboxRoot:
+    """The directory all workdirs of this process live in, held open."""
+
+    path: str
+    fd: int
+    owner: tuple[int, int, str]
+    """(pid, euid, configured path) it was opened for: a forked or setuid'd process, or a new
+    setting, opens and checks its own."""
+
+
+@dataclass(frozen=True)
+class Workdir:
+    """One call's working directory: `path` for the child, (root, name) for the removal."""
+
+    root: SandboxRoot
+    name: str
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.root.path, self.name)
+
+
+def default_root_path() -> str:
+    """`toolchord-sandbox-<euid>` in the system temporary directory."""
+    return os.path.join(tempfile.gettempdir(), f"toolchord-sandbox-{os.geteuid()}")
+
+
+def sandbox_root() -> SandboxRoot:
+    """This process's sandbox root, created and checked on first use."""
+    global _root
+    path = os.path.abspath(os.environ.get(WORKDIR_ROOT_ENV) or default_root_path())
+    owner = (os.getpid(), os.geteuid(), path)
+    with _lock:
+        if _root is None or _root.owner != owner:
+            # A replaced root's descriptor stays open: workdirs queued for removal still use it.
+            _root = None
+            _root = _open_root(path, owner)
+        return _root
+
+
+def _open_root(path: str, owner: tuple[int, int, str]) -> SandboxRoot:
+    try:
+        os.mkdir(path, 0o711)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError as exc:
+        raise SandboxRootError(
+            exc.errno, f"sandbox directory {path} cannot be opened as a directory ({exc.strerror})"
+        ) from exc
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != owner[1]:
+            raise SandboxRootError(
+                errno.EPERM,
+                f"sandbox directory {path} belongs to uid {info.st_uid}, not to this worker "
+                f"(uid {owner[1]}); set {WORKDIR_ROOT_ENV} to a private directory",
+            )
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise SandboxRootError(
+                errno.EPERM,
+                f"sandbox directory {path} is writable by other users (mode "
+                f"{stat.S_IMODE(info.st_mode):o}); set {WORKDIR_ROOT_ENV} to a private directory",
+            )
+        if info.st_mode & _ROOT_SEARCHABLE != _ROOT_SEARCHABLE:
+            # The per-call uids must reach their workdir; listing the root stays denied.
+            os.fchmod(fd, stat.S_IMODE(info.st_mode) | _ROOT_SEARCHABLE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return SandboxRoot(path=path, fd=fd, owner=owner)
+
+
+def make_workdir() -> Workdir:
+    """A fresh, empty directory (mode 0700) for one call."""
+    root = sandbox_root()
+    while True:
+        name = WORKDIR_PREFIX + secrets.token_hex(8)
+        try:
+            os.mkdir(name, 0o700, dir_fd=root.fd)
+        except FileExistsError:
+            continue
+        return Workdir(root=root, name=name)
+
+
+def remove_workdir(workdir: Workdir) -> bool:
+    """Remove the call's workdir and everything in it; True when it is gone.
+
+    Never follows a symlink and never changes anything outside the workdir: a symlink (or any
+    other non-directory) left under the workdir's name is unlinked, not followed.
+    """
+    try:
+        _remove_entry(workdir.root.fd, workdir.name)
+    except OSError as exc:
+        _log.warning("could not remove sandbox workdir %s: %s", workdir.path, exc)
+        return False
+    return True
+
+
+def remove_workdir_later(workdir: Workdir) -> None:
+    """Remove the workdir in this process's background thread, off the call's path.
+
+    For workdirs that are a mount point in a call's mount namespace that may still be alive:
+    removing one detaches that mount, which waits for an RCU grace period (milliseconds, more on
+    a busy machine).
+    """
+    global _janitor
+    with _lock:
+        if _janitor is None or _janitor[0] != os.getpid():
+            pending: queue.Queue[Workdir] = queue.Queue()
+            threading.Thread(
+                target=_remove_queued,
+                args=(pending,),
+                name="toolchord-workdir-removal",
+                daemon=True,
+            ).start()
+            _janitor = (os.getpid(), pending)
+        pending = _janitor[1]
+    pending.put(workdir)
+
+
+def _remove_queued(pending: queue.Queue[Workdir]) -> None:
+    while True:
+        workdir = pending.get()
+        try:
+            remove_workdir(workdir)
+        finally:
+            pending.task_done()
+
+
+def wait_for_removals() -> None:
+    """Return once every workdir handed to `remove_workdir_later` is removed (also at exit)."""
+    janitor = _janitor
+    if janitor is not None and janitor[0] == os.getpid():
+        janitor[1].join()
+
+
+atexit.register(wait_for_removals)
+
+
+def _remove_entry(parent_fd: int, name: str) -> None:
+    """Depth-first, without recursion (a handler may nest directories thousands deep)."""
+    stack: list[tuple[int, str, int, list[str]]] = []
+    try:
+        _push_or_unlink(stack, parent_fd, name)
+        while stack:
+            parent, directory, fd, pending = stack[-1]
+            if pending:
+                _push_or_unlink(stack, fd, pending.pop())
+                continue
+            stack.pop()
+            os.close(fd)
+            _unlink(parent, directory, is_dir=True)
+    finally:
+        for _parent, _name, fd, _pending in stack:
+            os.close(fd)
+
+
+def _push_or_unlink(
+    stack: list[tuple[int, str, int, list[str]]], parent_fd: int, name: str
+) -> None:
+    try:
+        info = os.lstat(name, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(info.st_mode):
+        _unlink(parent_fd, name, is_dir=False)
+        return
+    fd = _open_dir(parent_fd, name, info)
+    try:
+        with os.scandir(fd) as entries:
+            names = [entry.name for entry in entries]
+    except BaseException:
+        os.close(fd)
+        raise
+    stack.append((parent_fd, name, fd, names))
+
+
+def _unlink(parent_fd: int, name: str, *, is_dir: bool) -> None:
+    try:
+        if is_dir:
+            os.rmdir(name, dir_fd=parent_fd)
+        else:
+            os.unlink(name, dir_fd=parent_fd)
+    except FileNotFoundError:
+        pass
+
+
+def _open_dir(parent_fd: int, name: str, seen: os.stat_result) -> int:
+    """Open a directory for listing and unlinking in it, giving its owner (us) rwx when needed.
+
+    The mode is changed only through a descriptor of the very inode that was checked, never by
+    path, so a directory swapped for a symlink cannot redirect the change elsewhere.
+    """
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except PermissionError:
+        # A directory the handler left unreadable (mode 0): its owner can restore access.
+        handle = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+        try:
+            _check_same(handle, seen)
+            os.chmod(f"/proc/self/fd/{handle}", stat.S_IRWXU)
+            fd = os.open(f"/proc/self/fd/{handle}", _DIR_FLAGS & ~os.O_NOFOLLOW)
+        finally:
+            os.close(handle)
+    try:
+        _check_same(fd, seen)
+        if os.geteuid() != 0 and stat.S_IMODE(seen.st_mode) & stat.S_IRWXU != stat.S_IRWXU:
+            os.fchmod(fd, stat.S_IMODE(seen.st_mode) | stat.S_IRWXU)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_same(fd: int, seen: os.stat_result) -> None:
+    info = os.fstat(fd)
+    if (info.st_dev, info.st_ino) != (seen.st_dev, seen.st_ino) or not stat.S_ISDIR(
+        info.st_mode
+    ):
+        raise OSError(errno.ESTALE, "a directory was replaced while it was being removed")
