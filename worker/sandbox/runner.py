@@ -557,7 +557,6 @@ class _Watch:
         next_cancel_poll = self.started + CANCEL_POLL_SECONDS
         while True:
             now = time.monotonic()
-            self._enforce_deadline(now)
             if self.killed_at is not None and now >= self.killed_at + GRACE_SECONDS:
                 # SIGKILL was sent a grace period ago and no end was reported (a zygote that
                 # stopped answering): stop waiting, the status stays unknown.
@@ -582,6 +581,9 @@ class _Watch:
                 exited = self.child.poll_exit()
             if exited or self.result_complete:
                 break
+            # Only after reading what is there: a result the child finished in time stays its
+            # result even when this process saw it late (a paused worker, a loaded machine).
+            self._enforce_deadline(time.monotonic())
         # Kill what is left of the group (grandchildren, or the child that is about to exit
         # after its result) while the leader, alive or zombie, still holds the group id; then
         # take what was written before.
