@@ -54,6 +54,23 @@ def test_redis_restart_keeps_finished_results(start_worker, persistent_redis, re
     assert effects(client, "k-u") == 1 and effects(client, "k-r") == 1
 
 
+def test_turn_waits_to_its_deadline_when_a_result_is_lost_to_an_outage(start_worker, persistent_redis, redis_url):
+    # A worker that gives up storing at once: its result never reaches Redis, and the chord's
+    # callback fails. The turn must not report the call early: it waits up to its deadline.
+    start_worker(TOOLS, concurrency=1, TOOLCHORD_RESULT_STORE_PATIENCE="0")
+    orch = orchestrator(redis_url, turn_timeout=12)
+    client = redis.Redis.from_url(redis_url)
+    thread, box = run_in_thread(orch.run_calls, "s-lost", [call(0, "effect_unsafe", key="k-l", seconds=1)])
+    wait_for(lambda: effects(client, "k-l") == 1, 20, "the handler to start")
+    persistent_redis.stop()
+    time.sleep(1.5)  # the fault itself: how long Redis stays away
+    persistent_redis.start(appendonly=True)
+    thread.join(60)
+    error = box["value"].results[0].error
+    assert error is not None and error.code == ErrorCode.OUTCOME_UNKNOWN
+    assert "the turn's 12 s deadline passed" in error.message, error.message
+
+
 def _pool_children(worker: WorkerProcess) -> list[int]:
     assert worker.proc is not None
     pid = worker.proc.pid

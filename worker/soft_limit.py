@@ -32,8 +32,8 @@ def _can_switch() -> bool:
 
 
 def _note(signum: int, frame: FrameType | None) -> None:
-    log.warning("Celery's soft time limit passed while toolchord was storing or reading a call's state; "
-                "it did not interrupt that work (the handler's own timeout still applies)")
+    log.warning("Celery's soft time limit passed while toolchord was waiting for or storing a call's result; "
+                "it did not interrupt that (the sandbox enforces the tool's own timeout)")
 
 
 @contextmanager

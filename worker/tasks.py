@@ -46,11 +46,7 @@ COLLECT_TASK = "toolchord.collect"
 _BUSY_POLL = 0.05
 # Retry backoff stays far below the broker's visibility timeout (celery-findings pitfall 2).
 _MAX_BACKOFF = 30.0
-# How long a worker keeps trying to store a finished call's result while Redis is unreachable
-# (a restart, a failover): the stored result is what the turn and later turns report, so giving
-# up at once would turn a finished call into OUTCOME_UNKNOWN or TIMEOUT. The task's hard time
-# limit (the tool's timeout + 10 s from the task's start) may end the wait sooner.
-STORE_PATIENCE = 30.0
+# Longest pause between attempts to store a result while Redis is unreachable.
 _STORE_RETRY_MAX_DELAY = 1.0
 
 
@@ -224,7 +220,11 @@ class CallExecution:
 
     def _store(self, token: str, result: ToolResult, *, provisional: bool = False) -> ToolResult:
         result_json = result.model_dump_json()
-        give_up = time.monotonic() + STORE_PATIENCE
+        # Keep trying through a Redis restart or failover (settings.result_store_patience): the
+        # stored result is what this turn and later ones report, so giving up at once would turn a
+        # finished call into OUTCOME_UNKNOWN or TIMEOUT. The task's hard time limit (the tool's
+        # timeout + 10 s from the task's start) may end the wait sooner.
+        give_up = time.monotonic() + self.rt.settings.result_store_patience
         delay = 0.05
         while True:
             try:
@@ -349,7 +349,6 @@ def register_tasks(app: Celery) -> None:
 
 __all__ = [
     "COLLECT_TASK",
-    "STORE_PATIENCE",
     "TASK_NAMES",
     "CallExecution",
     "backoff_seconds",
