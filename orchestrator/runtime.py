@@ -247,14 +247,17 @@ class Orchestrator:
         for item in collected or []:
             result = ToolResult.model_validate(item)
             by_id.setdefault(result.call_id, result)
-        missing = [dc for dc in record.dispatched if dc.call.id not in by_id]
+        # The idempotency store's result wins whenever it exists: over a missing result, and over
+        # an error the chord may have synthesized (a result lost on its way, a worker's internal
+        # error after storing). An ok result only ever comes from the store or its own handler.
+        unsettled = [dc for dc in record.dispatched if (found := by_id.get(dc.call.id)) is None or found.status == "error"]
         unfinished: set[str] = set()
-        if missing:
-            stored = self._stored_results([dc.key for dc in missing])
-            for dc, raw in zip(missing, stored, strict=True):
+        if unsettled:
+            stored = self._stored_results([dc.key for dc in unsettled])
+            for dc, raw in zip(unsettled, stored, strict=True):
                 if raw is not None:
                     by_id[dc.call.id] = ToolResult.model_validate_json(raw).model_copy(update={"call_id": dc.call.id})
-                else:
+                elif dc.call.id not in by_id:
                     by_id[dc.call.id] = self._unfinished(record, dc, reason)
                     unfinished.add(dc.call.id)
         watched = [
@@ -290,13 +293,13 @@ class Orchestrator:
         self.app.control.revoke(dc.task_id)
         if not store.started(dc.key):
             return errors.error_result(dc.call, errors.not_executed(dc.call, reason))
-        spec = self.registry[dc.call.name]
-        if spec.side_effect == "unsafe":
+        if dc.side_effect == "unsafe":
             error = errors.outcome_unknown(dc.call, f"{reason} while it was running")
         elif reason.startswith("the turn was cancelled"):
             error = errors.cancelled(dc.call)
         else:
-            error = errors.timeout(dc.call, max(record.deadline - time.time(), 0) or spec.timeout)
+            # The turn stopped waiting; the tool's own timeout did not stop the call.
+            error = errors.turn_stopped_waiting(dc.call, reason)
         return errors.error_result(dc.call, error)
 
     def _late_results(self, record: TurnRecord) -> tuple[list[ToolResult], list[str]]:
@@ -375,12 +378,22 @@ class Orchestrator:
         if turn in self._cancelled_here or (ask_redis and self.turns.cancelled(*turn)):
             return "the turn was cancelled"
         if record.deadline <= time.time():
-            return "the turn's deadline passed"
+            return f"the turn's {round(record.deadline - record.started_at, 1):g} s deadline passed"
         return None
 
-    def _collected(self, record: TurnRecord, status: str | None, value: Any) -> TurnResult:
-        """Finish with the chord callback's value (a failed callback leaves the store to fill in)."""
-        return self._finish(record, value if status == states.SUCCESS else None, "the turn's results could not be collected")
+    def _all_stored(self, record: TurnRecord) -> bool:
+        """Whether every dispatched call has a result in the idempotency store (False if unreachable)."""
+        try:
+            return all(raw is not None for raw in self._stored_results([dc.key for dc in record.dispatched]))
+        except redis.RedisError as exc:
+            log.warning("reading turn %s's results: %s", record.turn_id, exc)
+            return False
+
+    def _callback_failed(self, record: TurnRecord, status: str | None) -> None:
+        # A failed callback (a chord part lost to a Redis outage) is no news about the calls: they
+        # may have finished and stored their results, or be about to. The turn keeps to its
+        # deadline, now waiting on the idempotency store, instead of synthesizing early.
+        log.warning("the callback of turn %s ended %s; waiting for its calls' stored results", record.turn_id, status)
 
     def run_calls(
         self, session_id: str, calls: list[ToolCall], *, turn_id: str | None = None, provider: Provider = "chat"
@@ -392,23 +405,32 @@ class Orchestrator:
         record, body_id = started
         async_result = self.app.AsyncResult(body_id)
         remote_check = _RemoteCancelClock()
+        callback_failed = False
         while True:
-            try:
-                value = async_result.get(
-                    timeout=self._wait_slice(record, _CANCEL_POLL),
-                    interval=0.002,
-                    propagate=False,
-                    disable_sync_subtasks=False,
-                )
-            except CeleryTimeoutError:
-                pass
-            except (redis.RedisError, OSError, RuntimeError) as exc:
-                # The result backend is unreachable (or Celery's consumer gave up): keep to the
-                # deadline, then the idempotency store supplies what finished.
-                log.warning("waiting for turn %s: %s", record.turn_id, exc)
-                time.sleep(_CANCEL_POLL)
+            if callback_failed:
+                if self._all_stored(record):
+                    return self._finish(record, None, "")
+                time.sleep(self._wait_slice(record, _CANCEL_POLL))
             else:
-                return self._collected(record, async_result.status, value)
+                try:
+                    value = async_result.get(
+                        timeout=self._wait_slice(record, _CANCEL_POLL),
+                        interval=0.002,
+                        propagate=False,
+                        disable_sync_subtasks=False,
+                    )
+                except CeleryTimeoutError:
+                    pass
+                except (redis.RedisError, OSError, RuntimeError) as exc:
+                    # The result backend is unreachable (or Celery's consumer gave up): keep to the
+                    # deadline, then the idempotency store supplies what finished.
+                    log.warning("waiting for turn %s: %s", record.turn_id, exc)
+                    time.sleep(_CANCEL_POLL)
+                else:
+                    if async_result.status == states.SUCCESS:
+                        return self._finish(record, value, "")
+                    self._callback_failed(record, async_result.status)
+                    callback_failed = True
             if (reason := self._stop_reason(record, remote_check.due())) is not None:
                 return self._finish(record, None, reason)
 
@@ -442,10 +464,19 @@ class Orchestrator:
         record, body_id = started
         waiter = self._waiter()
         remote_check = _RemoteCancelClock()
+        callback_failed = False
         while True:
-            meta = await waiter.wait(body_id, self._wait_slice(record, _CANCEL_POLL * 4))
-            if meta is not None:
-                return self._collected(record, meta.get("status"), meta.get("result"))
+            if callback_failed:
+                if self._all_stored(record):
+                    return self._finish(record, None, "")
+                await asyncio.sleep(self._wait_slice(record, _CANCEL_POLL))
+            else:
+                meta = await waiter.wait(body_id, self._wait_slice(record, _CANCEL_POLL * 4))
+                if meta is not None:
+                    if meta.get("status") == states.SUCCESS:
+                        return self._finish(record, meta.get("result"), "")
+                    self._callback_failed(record, meta.get("status"))
+                    callback_failed = True
             if (reason := self._stop_reason(record, remote_check.due())) is not None:
                 return self._finish(record, None, reason)
 

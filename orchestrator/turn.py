@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr
@@ -44,6 +45,7 @@ class TurnRecord(BaseModel):
         default_factory=list, description="Header elements: call ids run in order (a resource chain) or alone."
     )
     deadline: float
+    started_at: float = Field(default_factory=time.time, description="When the turn was planned (epoch seconds).")
     status: TurnStatus = "running"
     # The session's late calls as found when the turn started (not persisted): the turn reports
     # those whose results have arrived when it ends, without reading the list again.

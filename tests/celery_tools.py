@@ -103,3 +103,21 @@ _RECONCILE = {"yes": True, "no": False, "unknown": None}
 def effect_reconciled(key: str, answer: str) -> int:
     """Count a side effect; `answer` scripts what the reconcile check says about a lost attempt."""
     return _effect(key, 0.0)
+
+
+@tool(sandbox=SANDBOX, side_effect="unsafe", timeout=2)
+def brief_unsafe(key: str, seconds: float = 0.0) -> int:
+    """Count a side effect, then take a while (a short timeout: Celery's soft limit comes 5 s later)."""
+    return _effect(key, seconds)
+
+
+@tool(sandbox=SANDBOX, side_effect="unsafe", timeout=1, resource=lambda args: args["resource"])
+def chained_unsafe(resource: str, key: str, seconds: float = 0.0) -> int:
+    """Count a side effect on a shared resource, then take a while (1 s timeout)."""
+    return _effect(key, seconds)
+
+
+@tool(sandbox=SANDBOX, side_effect="read", max_output_chars=400)
+def long_text(word: str) -> str:
+    """Return far more text than the model may see at once."""
+    return " ".join(f"{word}{i}" for i in range(500))

@@ -42,6 +42,9 @@ class Settings(BaseModel):
     visibility_timeout: int = Field(default=3600, gt=0)
     result_ttl: int = Field(default=86400, gt=0)
     claim_lease: float = Field(default=15.0, gt=0, description="Seconds a claim lives without renewal.")
+    result_store_patience: float = Field(
+        default=30.0, ge=0, description="Seconds a worker keeps trying to store a finished call's result while Redis is unreachable."
+    )
     sandbox_uid: int | None = Field(
         default=None, description="One uid for every sandboxed call of a root worker; None: a uid per call."
     )
@@ -77,6 +80,7 @@ class Settings(BaseModel):
             ("visibility_timeout", "TOOLCHORD_VISIBILITY_TIMEOUT"),
             ("result_ttl", "TOOLCHORD_RESULT_TTL"),
             ("claim_lease", "TOOLCHORD_CLAIM_LEASE"),
+            ("result_store_patience", "TOOLCHORD_RESULT_STORE_PATIENCE"),
             ("sandbox_uid", "TOOLCHORD_SANDBOX_UID"),
             ("log_dir", "TOOLCHORD_LOG_DIR"),
         ):

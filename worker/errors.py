@@ -149,10 +149,23 @@ def permission_denied(call: ToolCall, reason: str) -> ToolError:
 
 
 def timeout(call: ToolCall, seconds: float) -> ToolError:
+    """The tool's own timeout stopped the handler."""
     return ToolError(
         code=ErrorCode.TIMEOUT,
-        message=f"{call.name!r} did not finish within its {seconds:g} s limit and was stopped.",
+        message=f"{call.name!r} did not finish within the tool's own {seconds:g} s timeout and was stopped.",
         hint="Retry with a smaller request (narrower query, fewer items), or try a different approach.",
+        input_excerpt=excerpt(call.arguments_raw),
+    )
+
+
+def turn_stopped_waiting(call: ToolCall, reason: str) -> ToolError:
+    """The turn stopped waiting for a call that was still running (it was not stopped)."""
+    return ToolError(
+        code=ErrorCode.TIMEOUT,
+        message=f"{call.name!r} had not finished when {reason}: the turn stopped waiting for it, "
+        "but the call was not stopped.",
+        hint="If it finishes, its result is reported with a later turn; call it again only if that result "
+        "does not come, or retry with a smaller request.",
         input_excerpt=excerpt(call.arguments_raw),
     )
 

@@ -6,7 +6,7 @@ from worker import errors
 from worker.execution import HandlerOutcome
 from worker.models import ToolCall, ToolResult
 from worker.shaping import cap_content
-from worker.spill import SpillStore
+from worker.spill import SessionSpill
 from worker.tools import ToolSpec
 
 # Partial output shown with TIMEOUT/crash errors is kept short: it is a clue, not the answer.
@@ -14,9 +14,12 @@ _PARTIAL_OUTPUT_CHARS = 2_000
 
 
 def result_from_outcome(
-    call: ToolCall, spec: ToolSpec, outcome: HandlerOutcome, *, attempts: int, spill: SpillStore | None
+    call: ToolCall, spec: ToolSpec, outcome: HandlerOutcome, *, attempts: int, spill: SessionSpill | None
 ) -> ToolResult:
-    """One ToolResult for a finished attempt, with the side-effect class deciding unknown outcomes."""
+    """One ToolResult for a finished attempt, with the side-effect class deciding unknown outcomes.
+
+    A cut output is spilled into `spill`, the calling session's part of the spill store.
+    """
     if outcome.status == "ok":
         text = outcome.content if outcome.content else outcome.output
         content, truncated = cap_content(text or "", spec.max_output_chars, spill)

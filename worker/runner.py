@@ -15,7 +15,7 @@ from worker.execution import HandlerOutcome
 from worker.models import ToolCall, ToolResult
 from worker.results import result_from_outcome
 from worker.sandbox import run_isolated
-from worker.spill import SpillStore
+from worker.spill import SessionSpill, SpillStore
 from worker.tools import ToolSpec
 
 
@@ -46,7 +46,8 @@ def execute_call(
 ) -> ToolResult:
     """Run one call once and shape its result. Never raises for handler misbehaviour."""
     outcome = run_handler(spec, arguments, context)
-    return result_from_outcome(call, spec, outcome, attempts=attempts, spill=spill)
+    session_spill = SessionSpill(spill, context.session_id) if spill is not None else None
+    return result_from_outcome(call, spec, outcome, attempts=attempts, spill=session_spill)
 
 
 def unavailable_tool_result(call: ToolCall, available: list[str]) -> ToolResult:

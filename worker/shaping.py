@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from worker.models import Truncation
 from worker.redaction import well_formed
-from worker.spill import SpillStore
+from worker.spill import SessionSpill
 
 EMPTY_PLACEHOLDER = "(no output)"
 # Share of the budget given to the head; the tail usually holds the summary or the error.
 _HEAD_SHARE = 0.6
 
 
-def cap_content(text: str, max_chars: int, spill: SpillStore | None) -> tuple[str, Truncation | None]:
+def cap_content(text: str, max_chars: int, spill: SessionSpill | None) -> tuple[str, Truncation | None]:
     """Return text within `max_chars`: head and tail kept, a notice of what was cut and how to read it.
 
     Empty text becomes a placeholder so the model never gets an empty result. Lone surrogates

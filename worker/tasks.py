@@ -13,6 +13,7 @@ import logging
 import random
 import time
 import uuid
+from contextlib import nullcontext
 from typing import Any
 
 import redis
@@ -27,6 +28,8 @@ from worker.models import ErrorCode, SideEffect, ToolCall, ToolResult
 from worker.payloads import CallPayload, CallRef
 from worker.results import result_from_outcome
 from worker.runner import run_handler, unavailable_tool_result
+from worker.soft_limit import soft_limit_held, soft_limit_live
+from worker.spill import SessionSpill
 from worker.tools import ToolSpec
 from worker.worker_runtime import WorkerRuntime, runtime_of
 
@@ -43,6 +46,8 @@ COLLECT_TASK = "toolchord.collect"
 _BUSY_POLL = 0.05
 # Retry backoff stays far below the broker's visibility timeout (celery-findings pitfall 2).
 _MAX_BACKOFF = 30.0
+# Longest pause between attempts to store a result while Redis is unreachable.
+_STORE_RETRY_MAX_DELAY = 1.0
 
 
 def backoff_seconds(retries: int, visibility_timeout: int) -> float:
@@ -62,12 +67,22 @@ class _Retry(Exception):
 class CallExecution:
     """One delivery of one call on a worker: claim, run, decide retry, store, return."""
 
-    def __init__(self, runtime: WorkerRuntime, payload: CallPayload, attempt: int, may_retry: bool) -> None:
+    def __init__(
+        self,
+        runtime: WorkerRuntime,
+        payload: CallPayload,
+        attempt: int,
+        may_retry: bool,
+        *,
+        unknown_before: str | None = None,
+    ) -> None:
         self.rt = runtime
         self.p = payload
         self.call: ToolCall = payload.call
         self.attempt = attempt
         self.may_retry = may_retry
+        # The id of an earlier call in this call's resource chain whose outcome is unknown.
+        self.unknown_before = unknown_before
         self.spec: ToolSpec | None = runtime.registry.get(payload.call.name)
 
     @property
@@ -77,9 +92,20 @@ class CallExecution:
         return self.rt.settings.result_ttl
 
     def run(self) -> ToolResult:
+        """The call's result; Celery's soft time limit cannot interrupt toolchord's own steps."""
+        with soft_limit_held():
+            return self._run()
+
+    def _run(self) -> ToolResult:
         spec = self.spec
         if spec is None:
             return unavailable_tool_result(self.call, self.rt.registry.closest(self.call.name))
+        if self.unknown_before is not None:
+            # The chain exists to keep these calls in order on one resource: whatever state the
+            # earlier call left it in is unknown, so running this one could act on the wrong state.
+            return self._not_executed(
+                f"it runs after call {self.unknown_before} on the same resource, and that call's outcome is unknown"
+            )
         store = self.rt.store
         if time.time() > self.p.deadline:
             return self._not_executed("the turn's deadline passed before it started")
@@ -105,7 +131,8 @@ class CallExecution:
                 unknown = reconciled.error is not None and reconciled.error.code == ErrorCode.OUTCOME_UNKNOWN
                 return self._store(token, reconciled, provisional=unknown)
         outcome = self._run_handler(spec, token)
-        result = result_from_outcome(self.call, spec, outcome, attempts=self.attempt, spill=self.rt.spill)
+        spill = SessionSpill(self.rt.spill, self.p.session_id)
+        result = result_from_outcome(self.call, spec, outcome, attempts=self.attempt, spill=spill)
         countdown = self._retry_countdown(spec, outcome)
         if countdown is not None:
             forget = not outcome.started or spec.side_effect != "unsafe"
@@ -168,7 +195,10 @@ class CallExecution:
         ).bind_cancel_check(lambda: store.cancelled(scope))
 
     def _run_handler(self, spec: ToolSpec, token: str) -> HandlerOutcome:
-        with self.rt.lease_renewer.hold(self.p.key, token):
+        # Only an in-process handler needs the soft limit to stop it: an isolated one is stopped by
+        # its sandbox at the tool's timeout, and the limit would only break the wait for its result.
+        soft_limit = soft_limit_live() if not spec.sandbox.isolate else nullcontext()
+        with self.rt.lease_renewer.hold(self.p.key, token), soft_limit:
             return run_handler(spec, self.p.arguments, self._context(), sandbox_uid=self.rt.settings.sandbox_uid)
 
     def _retry_countdown(self, spec: ToolSpec, outcome: HandlerOutcome) -> float | None:
@@ -190,12 +220,25 @@ class CallExecution:
 
     def _store(self, token: str, result: ToolResult, *, provisional: bool = False) -> ToolResult:
         result_json = result.model_dump_json()
-        try:
-            stored = self.rt.store.complete(self.p.key, token, result_json, self.ttl, provisional=provisional)
-        except redis.RedisError:
-            # The handler already ran: hand its result back through the chord even if it cannot be stored.
-            log.warning("could not store the result of call %s; returning it unstored", self.call.id)
-            return result
+        # Keep trying through a Redis restart or failover (settings.result_store_patience): the
+        # stored result is what this turn and later ones report, so giving up at once would turn a
+        # finished call into OUTCOME_UNKNOWN or TIMEOUT. The task's hard time limit (the tool's
+        # timeout + 10 s from the task's start) may end the wait sooner.
+        give_up = time.monotonic() + self.rt.settings.result_store_patience
+        delay = 0.05
+        while True:
+            try:
+                stored = self.rt.store.complete(self.p.key, token, result_json, self.ttl, provisional=provisional)
+                break
+            except redis.RedisError as exc:
+                if time.monotonic() + delay > give_up:
+                    # The handler already ran: hand its result back through the chord even if it
+                    # cannot be stored.
+                    log.warning("could not store the result of call %s (%s); returning it unstored", self.call.id, exc)
+                    return result
+                log.warning("storing the result of call %s: %s; trying again", self.call.id, exc)
+                time.sleep(delay)
+                delay = min(delay * 2, _STORE_RETRY_MAX_DELAY)
         # Usually ours; another delivery's (or another call's, with a business key) if it stored first.
         return result if stored == result_json else self._for_this_call(stored)
 
@@ -205,6 +248,15 @@ class CallExecution:
 
     def _not_executed(self, reason: str) -> ToolResult:
         return errors.error_result(self.call, errors.not_executed(self.call, reason), attempts=self.attempt)
+
+
+def unknown_outcome_in(previous: list[dict[str, Any]]) -> str | None:
+    """The id of the first call before this one in its resource chain whose outcome is unknown."""
+    for item in previous:
+        error = item.get("error") if isinstance(item, dict) else None
+        if isinstance(error, dict) and error.get("code") == ErrorCode.OUTCOME_UNKNOWN.value:
+            return str(item.get("call_id"))
+    return None
 
 
 def _internal_error(payload: dict[str, Any], exc: BaseException) -> ToolResult:
@@ -239,7 +291,13 @@ def _make_call_task(app: Celery, side_effect: SideEffect) -> Task:
             runtime = runtime_of(self.app)
             spec = runtime.registry.get(parsed.call.name)
             retries_allowed = spec.max_retries if spec is not None else 0
-            execution = CallExecution(runtime, parsed, self.request.retries + 1, self.request.retries < retries_allowed)
+            execution = CallExecution(
+                runtime,
+                parsed,
+                self.request.retries + 1,
+                self.request.retries < retries_allowed,
+                unknown_before=unknown_outcome_in(previous),
+            )
             result = execution.run()
         except _Retry as retry:
             # CallExecution decided the retry (class policy, attempts, deadline); Celery keeps the
@@ -289,4 +347,12 @@ def register_tasks(app: Celery) -> None:
     )(collect)
 
 
-__all__ = ["COLLECT_TASK", "TASK_NAMES", "CallExecution", "backoff_seconds", "collect", "register_tasks"]
+__all__ = [
+    "COLLECT_TASK",
+    "TASK_NAMES",
+    "CallExecution",
+    "backoff_seconds",
+    "collect",
+    "register_tasks",
+    "unknown_outcome_in",
+]

@@ -583,7 +583,6 @@ class _Watch:
         next_cancel_poll = self.started + CANCEL_POLL_SECONDS
         while True:
             now = time.monotonic()
-            self._enforce_deadline(now)
             if self.killed_at is not None and now >= self.killed_at + GRACE_SECONDS:
                 # SIGKILL was sent a grace period ago and no end was reported (a zygote that
                 # stopped answering): stop waiting, the status stays unknown.
@@ -596,19 +595,15 @@ class _Watch:
             wait_ms = max(0, int((wake - now) * 1000) + 1)
             if exit_fd is None:
                 wait_ms = min(wait_ms, 20)
-            exited = False
-            for fd, _events in poller.poll(wait_ms):
-                if fd == exit_fd:
-                    exited = self.child.poll_exit()
-                    if exited:
-                        poller.unregister(fd)
-                elif not self._read(fd):
-                    poller.unregister(fd)
-                    open_fds.discard(fd)
-            if exit_fd is None:
-                exited = self.child.poll_exit()
+            exited = self._poll(poller, open_fds, exit_fd, wait_ms)
+            if not (exited or self.result_complete) and time.monotonic() >= self._next_deadline():
+                # Look once more without waiting before enforcing the deadline: a poll cut short
+                # by a signal after its timeout reports nothing. A result the child finished stays
+                # its result even when this process reads it late (a paused worker, a loaded machine).
+                exited = self._poll(poller, open_fds, exit_fd, 0)
             if exited or self.result_complete:
                 break
+            self._enforce_deadline(time.monotonic())
         # Kill what is left of the group (grandchildren, or the child that is about to exit
         # after its result) while the leader, alive or zombie, still holds the group id; then
         # take what was written before.
@@ -622,6 +617,21 @@ class _Watch:
                 pass
         if exited and not self.child.ended:
             self.child.reap(block=True)
+
+    def _poll(self, poller: select.poll, open_fds: set[int], exit_fd: int | None, wait_ms: int) -> bool:
+        """Read what the child's pipes hold after up to `wait_ms`; True once the child has exited."""
+        exited = False
+        for fd, _events in poller.poll(wait_ms):
+            if fd == exit_fd:
+                exited = self.child.poll_exit()
+                if exited:
+                    poller.unregister(fd)
+            elif not self._read(fd):
+                poller.unregister(fd)
+                open_fds.discard(fd)
+        if exit_fd is None:
+            exited = self.child.poll_exit()
+        return exited
 
     def _next_deadline(self) -> float:
         if self.killed_at is not None:
