@@ -97,8 +97,8 @@ def start_worker(redis_url: str, broker_url: str, clean_redis: redis.Redis,
     def start(tool_modules: str, queues: str = "toolchord", concurrency: int = 2, name: str | None = None,
               **extra_env: str) -> WorkerProcess:
         name = name or f"w{len(started) + 1}"
-        env = worker_env(redis_url, tool_modules, TOOLCHORD_BROKER_URL=broker_url, TOOLCHORD_REDIS_URL=redis_url,
-                         **extra_env)
+        env = worker_env(redis_url, tool_modules,
+                         **{"TOOLCHORD_BROKER_URL": broker_url, "TOOLCHORD_REDIS_URL": redis_url, **extra_env})
         worker = WorkerProcess(env, queues, concurrency, name, tmp_path / f"{name}.log")
         worker.start()
         started.append(worker)
