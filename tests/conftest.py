@@ -16,7 +16,7 @@ import redis
 
 from orchestrator.bench import processes
 from orchestrator.bench.processes import ROOT, ProcessStartError, RedisServer, WorkerProcess, free_port
-from tests.brokers import RabbitVhost, RabbitUnavailable
+from tests.brokers import RabbitUnavailable, RabbitVhost
 
 __all__ = ["ROOT", "free_port", "worker_env"]
 
@@ -65,7 +65,7 @@ def clean_redis(redis_server: RedisServer) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture(scope="session")
-def rabbitmq(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RabbitVhost]:
+def rabbitmq() -> Iterator[RabbitVhost]:
     """A private vhost on the local RabbitMQ for this session, deleted afterwards; skip without RabbitMQ."""
     vhost = RabbitVhost()
     try:

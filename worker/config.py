@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import redis
-
 from pydantic import BaseModel, Field
 
 from worker.redis_clients import is_redis_url, is_sentinel_url, redis_client, scheme_of

@@ -320,8 +320,9 @@ def run_scenario(config: LoadConfig, workdir: Path | None = None) -> LoadReport:
         env = worker_env(server.url, config.visibility_timeout, config.claim_lease, config.broker_url)
         workers = [WorkerProcess(env, config.concurrency, f"load{i + 1}", base / f"worker{i + 1}.log")
                    for i in range(config.workers)]
-        settings = Settings(broker_url=config.broker_url or server.url, result_backend=server.url, redis_url=server.url,
-                            visibility_timeout=config.visibility_timeout, claim_lease=config.claim_lease)
+        settings = Settings(broker_url=config.broker_url or server.url, result_backend=server.url,
+                            redis_url=server.url, visibility_timeout=config.visibility_timeout,
+                            claim_lease=config.claim_lease)
         registry = Registry.from_modules([TOOL_MODULE])
         orch = _TimedOrchestrator(registry, create_app(settings, registry))
         loop = asyncio.new_event_loop()
@@ -481,9 +482,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     reports = []
     for name in wanted:
         config = base.model_copy(update=variants[name])
+        broker = maybe_sanitize_url(config.broker_url) if config.broker_url else "the private Redis"
         print(f"running {config.name}: {config.sessions} sessions x {config.turns} turns x {config.calls} calls, "
-              f"{config.workers} worker(s) x {config.concurrency}, broker "
-              f"{maybe_sanitize_url(config.broker_url) if config.broker_url else 'the private Redis'}", file=sys.stderr, flush=True)
+              f"{config.workers} worker(s) x {config.concurrency}, broker {broker}", file=sys.stderr, flush=True)
         reports.append(_run_isolated(config))
     print(format_table(reports))
     print()
