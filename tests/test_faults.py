@@ -71,7 +71,7 @@ def test_worker_sigkilled_mid_call_for_each_side_effect_class(start_worker, redi
     assert unsafe.error is not None and unsafe.error.code == ErrorCode.OUTCOME_UNKNOWN
     assert effects(clean_redis, "k-unsafe") == 1
     broker = "RabbitMQ" if broker_url.startswith("amqp") else "Redis"
-    record(f"worker SIGKILL mid-call (read, idem, unsafe), {broker}", turn,
+    record(f"worker SIGKILL mid-call (3 classes), {broker}", turn,
            sum(effects(clean_redis, k) for k in ("k-read", "k-idem", "k-unsafe")))
 
 
