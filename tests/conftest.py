@@ -76,12 +76,12 @@ def rabbitmq() -> Iterator[RabbitVhost]:
     vhost.delete()
 
 
-@pytest.fixture(params=["redis"])
+@pytest.fixture
 def broker_url(request: pytest.FixtureRequest, redis_url: str, clean_redis: redis.Redis) -> str:
     """The broker workers and orchestrators use: the private Redis, or with
     `@pytest.mark.parametrize("broker_url", ["redis", "amqp"], indirect=True)` also RabbitMQ
     (a private vhost, its queues emptied before the test)."""
-    if request.param == "redis":
+    if getattr(request, "param", "redis") == "redis":
         return redis_url
     vhost: RabbitVhost = request.getfixturevalue("rabbitmq")
     vhost.purge()
