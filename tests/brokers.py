@@ -89,9 +89,12 @@ class RabbitVhost:
 
     def restart_app(self) -> None:
         """Stop and start the RabbitMQ application (the Erlang node stays up): every connection drops."""
-        rabbitmqctl("stop_app")
-        rabbitmqctl("start_app")
-        rabbitmqctl("await_startup")
+        try:
+            rabbitmqctl("stop_app")
+        finally:
+            # Whatever stop_app did, leave the shared server running.
+            rabbitmqctl("start_app")
+            rabbitmqctl("await_startup")
 
 
 __all__ = ["DEFAULT_RABBITMQ", "RABBITMQ_ENV", "TEST_QUEUES", "RabbitUnavailable", "RabbitVhost", "rabbitmqctl"]
