@@ -268,10 +268,14 @@ class JsonlEventLog:
 class RedisEventLog:
     """One Redis Stream per session (`toolchord:log:<session>`), one JSON field per entry."""
 
-    def __init__(self, url: str | None = None, *, client: Any = None, prefix: str = STREAM_PREFIX) -> None:
-        import redis
+    def __init__(self, url: str | None = None, *, client: Any = None, prefix: str = STREAM_PREFIX,
+                 master_name: str | None = None) -> None:
+        from worker.redis_clients import redis_client
 
-        self.redis = client if client is not None else redis.Redis.from_url(url or "redis://127.0.0.1:6379/0")
+        self.redis = (
+            client if client is not None
+            else redis_client(url or "redis://127.0.0.1:6379/0", master_name=master_name)
+        )
         self.prefix = prefix
 
     def key(self, session_id: str) -> str:
@@ -310,15 +314,15 @@ def open_event_log(*, redis_url: str | None = None, log_dir: str | os.PathLike[s
     Explicit arguments win; otherwise `worker.config.Settings.from_env()` decides (a configured
     broker means distributed, and its Redis URL holds the streams).
     """
-    if redis_url:
-        return RedisEventLog(redis_url)
-    if log_dir is not None:
-        return JsonlEventLog(log_dir)
     from worker.config import Settings
 
+    if redis_url:
+        return RedisEventLog(redis_url, master_name=os.environ.get("TOOLCHORD_REDIS_MASTER_NAME"))
+    if log_dir is not None:
+        return JsonlEventLog(log_dir)
     settings = Settings.from_env()
     if not settings.embedded and settings.redis_url:
-        return RedisEventLog(settings.redis_url)
+        return RedisEventLog(client=settings.redis_client())
     return JsonlEventLog(settings.log_dir)
 
 

@@ -18,15 +18,17 @@ from worker.config import Settings
 TOOLS = "tests.celery_tools"
 
 
-def settings_for(url: str) -> Settings:
-    """Settings matching the workers the fixtures start (see tests/conftest.py worker_env)."""
-    return Settings(broker_url=url, result_backend=url, redis_url=url, visibility_timeout=8, claim_lease=2)
+def settings_for(url: str, broker_url: str | None = None) -> Settings:
+    """Settings matching the workers the fixtures start (see tests/conftest.py worker_env); the
+    broker is the Redis at `url` unless `broker_url` names another (RabbitMQ)."""
+    return Settings(broker_url=broker_url or url, result_backend=url, redis_url=url, visibility_timeout=8,
+                    claim_lease=2)
 
 
-def orchestrator(url: str, **kwargs: Any) -> Orchestrator:
+def orchestrator(url: str, broker_url: str | None = None, **kwargs: Any) -> Orchestrator:
     """An orchestrator on the test cluster with the test tools."""
     registry = Registry.from_modules([TOOLS])
-    return Orchestrator(registry, create_app(settings_for(url), registry), **kwargs)
+    return Orchestrator(registry, create_app(settings_for(url, broker_url), registry), **kwargs)
 
 
 def call(i: int, name: str, **args: object) -> ToolCall:

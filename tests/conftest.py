@@ -16,6 +16,7 @@ import redis
 
 from orchestrator.bench import processes
 from orchestrator.bench.processes import ROOT, ProcessStartError, RedisServer, WorkerProcess, free_port
+from tests.brokers import RabbitUnavailable, RabbitVhost
 
 __all__ = ["ROOT", "free_port", "worker_env"]
 
@@ -63,16 +64,42 @@ def clean_redis(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client.close()
 
 
+@pytest.fixture(scope="session")
+def rabbitmq() -> Iterator[RabbitVhost]:
+    """A private vhost on the local RabbitMQ for this session, deleted afterwards; skip without RabbitMQ."""
+    vhost = RabbitVhost()
+    try:
+        vhost.create()
+    except RabbitUnavailable as exc:
+        pytest.skip(f"RabbitMQ broker tests skipped: {exc}")
+    yield vhost
+    vhost.delete()
+
+
 @pytest.fixture
-def start_worker(redis_url: str, clean_redis: redis.Redis, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+def broker_url(request: pytest.FixtureRequest, redis_url: str, clean_redis: redis.Redis) -> str:
+    """The broker workers and orchestrators use: the private Redis, or with
+    `@pytest.mark.parametrize("broker_url", ["redis", "amqp"], indirect=True)` also RabbitMQ
+    (a private vhost, its queues emptied before the test)."""
+    if getattr(request, "param", "redis") == "redis":
+        return redis_url
+    vhost: RabbitVhost = request.getfixturevalue("rabbitmq")
+    vhost.purge()
+    return vhost.url
+
+
+@pytest.fixture
+def start_worker(redis_url: str, broker_url: str, clean_redis: redis.Redis,
+                 tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     """Start real worker processes: `start_worker(tools, queues="toolchord", concurrency=2, **env)`."""
     started: list[WorkerProcess] = []
 
     def start(tool_modules: str, queues: str = "toolchord", concurrency: int = 2, name: str | None = None,
               **extra_env: str) -> WorkerProcess:
         name = name or f"w{len(started) + 1}"
-        worker = WorkerProcess(worker_env(redis_url, tool_modules, **extra_env), queues, concurrency, name,
-                               tmp_path / f"{name}.log")
+        env = worker_env(redis_url, tool_modules,
+                         **{"TOOLCHORD_BROKER_URL": broker_url, "TOOLCHORD_REDIS_URL": redis_url, **extra_env})
+        worker = WorkerProcess(env, queues, concurrency, name, tmp_path / f"{name}.log")
         worker.start()
         started.append(worker)
         return worker

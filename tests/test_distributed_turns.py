@@ -1,4 +1,4 @@
-"""Turns on a real Redis broker/backend with real prefork worker processes (issue 3)."""
+"""Turns on real prefork worker processes, Redis for results, with each broker: Redis and RabbitMQ (issue 3)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 from tests.cluster_helpers import TOOLS, call, orchestrator, wait_for
 from worker import ErrorCode
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("broker_url", ["redis", "amqp"], indirect=True)]
 
 
-def test_parallel_calls_return_in_model_order(start_worker, redis_url):
+def test_parallel_calls_return_in_model_order(start_worker, redis_url, broker_url):
     start_worker(TOOLS, concurrency=4)
-    orch = orchestrator(redis_url)
+    orch = orchestrator(redis_url, broker_url)
     # The first call is the slowest, so completion order is the reverse of model order.
     calls = [call(i, "slow", seconds=0.3 - 0.1 * i) for i in range(3)] + [call(3, "nope"), call(4, "echo", text=1)]
     turn = orch.run_calls("s-order", calls)
@@ -25,9 +25,9 @@ def test_parallel_calls_return_in_model_order(start_worker, redis_url):
     assert turn.results[4].error.code == ErrorCode.INVALID_ARGUMENTS
 
 
-def test_slow_call_hits_time_limit_and_others_return(start_worker, redis_url):
+def test_slow_call_hits_time_limit_and_others_return(start_worker, redis_url, broker_url):
     start_worker(TOOLS, concurrency=4)
-    orch = orchestrator(redis_url)
+    orch = orchestrator(redis_url, broker_url)
     start = time.monotonic()
     turn = orch.run_calls("s-timeout", [call(0, "slow", seconds=30), call(1, "echo", text="hi")])
     elapsed = time.monotonic() - start
@@ -37,9 +37,9 @@ def test_slow_call_hits_time_limit_and_others_return(start_worker, redis_url):
     assert elapsed < 10
 
 
-def test_transient_error_retried_for_read_not_for_unsafe(start_worker, redis_url, clean_redis):
+def test_transient_error_retried_for_read_not_for_unsafe(start_worker, redis_url, broker_url, clean_redis):
     start_worker(TOOLS, concurrency=2)
-    orch = orchestrator(redis_url)
+    orch = orchestrator(redis_url, broker_url)
     turn = orch.run_calls(
         "s-retry", [call(0, "flaky_read", key="r", failures=2), call(1, "flaky_unsafe", key="u", failures=2)]
     )
@@ -49,9 +49,9 @@ def test_transient_error_retried_for_read_not_for_unsafe(start_worker, redis_url
     assert int(clean_redis.get("tc-test:attempts:u")) == 1
 
 
-def test_calls_sharing_a_resource_run_serially(start_worker, redis_url, clean_redis):
+def test_calls_sharing_a_resource_run_serially(start_worker, redis_url, broker_url, clean_redis):
     start_worker(TOOLS, concurrency=4)
-    orch = orchestrator(redis_url)
+    orch = orchestrator(redis_url, broker_url)
     calls = [call(i, "serial_step", resource="file-a", label=str(i)) for i in range(3)]
     calls.append(call(3, "serial_step", resource="file-b", label="b"))
     turn = orch.run_calls("s-serial", calls)
@@ -60,9 +60,9 @@ def test_calls_sharing_a_resource_run_serially(start_worker, redis_url, clean_re
     assert steps == ["start:0", "end:0", "start:1", "end:1", "start:2", "end:2"]
 
 
-def test_call_results_are_stored_once_by_key_not_per_task(start_worker, redis_url, clean_redis):
+def test_call_results_are_stored_once_by_key_not_per_task(start_worker, redis_url, broker_url, clean_redis):
     start_worker(TOOLS, concurrency=2)
-    orch = orchestrator(redis_url)
+    orch = orchestrator(redis_url, broker_url)
     # A resource chain and a lone call: both shapes of header element reach the callback.
     calls = [call(0, "serial_step", resource="f", label="a"), call(1, "serial_step", resource="f", label="b"),
              call(2, "echo", text="c")]
@@ -79,18 +79,18 @@ def test_call_results_are_stored_once_by_key_not_per_task(start_worker, redis_ur
 
 
 @pytest.mark.parametrize("size", [1, 64])
-def test_chord_of_one_and_of_64(start_worker, redis_url, size):
+def test_chord_of_one_and_of_64(start_worker, redis_url, broker_url, size):
     start_worker(TOOLS, concurrency=4)
-    orch = orchestrator(redis_url)
+    orch = orchestrator(redis_url, broker_url)
     calls = [call(i, "echo", text=f"t{i}") for i in range(size)]
     turn = orch.run_calls(f"s-size-{size}", calls)
     assert [r.content for r in turn.results] == [f"t{i}" for i in range(size)]
 
 
-def test_two_queues_two_workers(start_worker, redis_url):
+def test_two_queues_two_workers(start_worker, redis_url, broker_url):
     first = start_worker(TOOLS, queues="toolchord", name="wa", TC_TEST_WORKER="wa")
     start_worker(TOOLS, queues="b", name="wb", TC_TEST_WORKER="wb")
-    orch = orchestrator(redis_url)
+    orch = orchestrator(redis_url, broker_url)
     turn = orch.run_calls("s-queues", [call(0, "where", x=1), call(1, "echo", text="default")])
     assert turn.results[0].content == "wb:1"
     assert turn.results[1].content == "default"
@@ -98,18 +98,18 @@ def test_two_queues_two_workers(start_worker, redis_url):
     assert "sandbox layers: rlimits=" in first.log.read_text()
 
 
-def test_turn_deadline_never_hangs(start_worker, redis_url):
+def test_turn_deadline_never_hangs(start_worker, redis_url, broker_url):
     start_worker(TOOLS, concurrency=1)
-    orch = orchestrator(redis_url, turn_timeout=1.5)
+    orch = orchestrator(redis_url, broker_url, turn_timeout=1.5)
     # One pool process: the second call cannot start before the deadline.
     turn = orch.run_calls("s-deadline", [call(0, "effect_read", key="d0", seconds=5), call(1, "echo", text="x")])
     codes = [r.error.code if r.error else None for r in turn.results]
     assert codes == [ErrorCode.TIMEOUT, ErrorCode.NOT_EXECUTED]
 
 
-def test_async_turns_share_one_loop(start_worker, redis_url):
+def test_async_turns_share_one_loop(start_worker, redis_url, broker_url):
     start_worker(TOOLS, concurrency=4)
-    orch = orchestrator(redis_url)
+    orch = orchestrator(redis_url, broker_url)
 
     async def many() -> list:
         return await asyncio.gather(

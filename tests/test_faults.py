@@ -51,9 +51,10 @@ def record(name: str, turn: TurnResult, side_effects: int) -> None:
     assert lost == 0
 
 
-def test_worker_sigkilled_mid_call_for_each_side_effect_class(start_worker, redis_url, clean_redis):
+@pytest.mark.parametrize("broker_url", ["redis", "amqp"], indirect=True)
+def test_worker_sigkilled_mid_call_for_each_side_effect_class(start_worker, redis_url, broker_url, clean_redis):
     first = start_worker(TOOLS, concurrency=3, name="victim")
-    orch = orchestrator(redis_url)
+    orch = orchestrator(redis_url, broker_url)
     calls = [call(0, "effect_read", key="k-read", seconds=3), call(1, "effect_idempotent", key="k-idem", seconds=3),
              call(2, "effect_unsafe", key="k-unsafe", seconds=3)]
     thread, box = run_in_thread(orch.run_calls, "s-kill", calls)
@@ -69,8 +70,34 @@ def test_worker_sigkilled_mid_call_for_each_side_effect_class(start_worker, redi
     # The unsafe call ran exactly once and the model is told the truth.
     assert unsafe.error is not None and unsafe.error.code == ErrorCode.OUTCOME_UNKNOWN
     assert effects(clean_redis, "k-unsafe") == 1
-    record("worker SIGKILL mid-call (read, idempotent, unsafe)", turn,
+    broker = "RabbitMQ" if broker_url.startswith("amqp") else "Redis"
+    record(f"worker SIGKILL mid-call (3 classes), {broker}", turn,
            sum(effects(clean_redis, k) for k in ("k-read", "k-idem", "k-unsafe")))
+
+
+@pytest.mark.parametrize("broker_url", ["amqp"], indirect=True)
+def test_rabbitmq_restarted_mid_turn(start_worker, redis_url, broker_url, rabbitmq, clean_redis):
+    start_worker(TOOLS, concurrency=3)
+    orch = orchestrator(redis_url, broker_url)
+    keys = ("q-read", "q-idem", "q-unsafe")
+    calls = [call(0, "effect_read", key=keys[0], seconds=2), call(1, "effect_idempotent", key=keys[1], seconds=2),
+             call(2, "effect_unsafe", key=keys[2], seconds=2), call(3, "echo", text="queued")]
+    thread, box = run_in_thread(orch.run_calls, "s-rabbit", calls)
+    wait_for(lambda: all(effects(clean_redis, k) == 1 for k in keys), 30, "handlers to start")
+    # Every connection drops while three calls run and one waits in the queue: their messages are
+    # unacknowledged, so RabbitMQ delivers them again once the worker reconnects.
+    rabbitmq.restart_app()
+    thread.join(90)
+    assert not thread.is_alive(), "the turn hung after a RabbitMQ restart"
+    turn: TurnResult = box["value"]
+    assert [r.status for r in turn.results] == ["ok"] * 4, [r.error for r in turn.results]
+    assert turn.results[3].content == "queued"
+    # A redelivered call whose result is stored returns that result: nothing ran twice.
+    assert [effects(clean_redis, k) for k in keys] == [1, 1, 1]
+    # The same orchestrator publishes again on a fresh connection.
+    after = orch.run_calls("s-rabbit-after", [call(0, "effect_unsafe", key="q-after")])
+    assert after.results[0].status == "ok" and effects(clean_redis, "q-after") == 1
+    record("RabbitMQ restarted mid-turn (stop_app/start_app)", turn, sum(effects(clean_redis, k) for k in keys))
 
 
 def test_same_task_delivered_twice_concurrently(start_worker, redis_url, clean_redis):

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from worker.context import ToolContext
 from worker.execution import HandlerOutcome, ToolOutput, call_handler
 from worker.models import ErrorCode, Risk, SideEffect, ToolCall, ToolError, ToolResult, Truncation
+from worker.redis_clients import redis_client
 from worker.registry import PROVIDERS, DuplicateToolError, Provider, Registry, declaration
 from worker.sandbox.profile import SandboxProfile
 from worker.tools import ToolSpec, tool
@@ -49,5 +50,6 @@ __all__ = [
     "Truncation",
     "call_handler",
     "declaration",
+    "redis_client",
     "tool",
 ]

@@ -8,11 +8,13 @@ With no broker configured, the app is embedded: in-memory transport and result b
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from celery import Celery
 
 from worker.config import Settings
+from worker.redis_clients import is_redis_url, is_sentinel_url
 from worker.registry import Registry
 from worker.tasks import register_tasks
 from worker.worker_runtime import WorkerRuntime, queues_of, runtime_of
@@ -49,22 +51,78 @@ def _celery_config(settings: Settings) -> dict[str, Any]:
             worker_hijack_root_logger=False,
         )
     else:
-        transport = {
+        config.update(
+            broker_url=settings.broker_url,
+            result_backend=settings.result_backend,
+            result_chord_join_timeout=10,
+            **_broker_config(settings),
+            **_backend_config(settings),
+        )
+    return config
+
+
+def _broker_config(settings: Settings) -> dict[str, Any]:
+    """Settings that belong to the broker in use (docs/operations.md, "Choosing a broker")."""
+    if settings.broker_kind == "amqp":
+        return {
+            # The publisher waits for RabbitMQ's confirm: a call the orchestrator recorded as sent
+            # is on the queue, not in a socket buffer when the broker restarts.
+            "broker_transport_options": {"confirm_publish": True},
+            # Quorum queues (replicated, durable, delivery counting) for the default queue and
+            # every tool queue a worker or publisher names. Topic exchanges, because Celery's
+            # native delayed delivery (retry countdowns on quorum queues, which cannot hold
+            # messages back) routes through topic exchanges only.
+            "task_default_queue_type": "quorum",
+            "task_default_exchange_type": "topic",
+            "task_create_missing_queues": True,
+            "task_create_missing_queue_type": "quorum",
+            "task_create_missing_queue_exchange_type": "topic",
+            "broker_native_delayed_delivery_queue_type": "quorum",
+            # Quorum queues refuse global QoS: the worker switches to per-consumer prefetch.
+            "worker_detect_quorum_queues": True,
+        }
+    if settings.broker_kind == "redis":
+        transport: dict[str, Any] = {
+            # Redis has no acks: a message taken and not acknowledged within the visibility timeout
+            # is given to another worker (RabbitMQ redelivers when the consumer's connection drops).
             "visibility_timeout": settings.visibility_timeout,
             # Kombu sweeps for messages of dead workers every interval x throttle seconds (100 s
             # by default); sweep a few times per visibility timeout so redelivery follows it.
             "unacked_restore_interval": max(1, settings.visibility_timeout // 4),
             "unacked_restore_throttle": 1,
         }
-        config.update(
-            broker_url=settings.broker_url,
-            result_backend=settings.result_backend,
-            broker_transport_options=transport,
-            result_backend_transport_options=transport,
-            redis_backend_health_check_interval=30,
-            result_chord_join_timeout=10,
-        )
+        if is_sentinel_url(settings.broker_url):
+            transport["master_name"] = settings.redis_master_name
+        return {"broker_transport_options": transport}
+    return {}
+
+
+def _backend_config(settings: Settings) -> dict[str, Any]:
+    """Settings of the Redis result backend (a server or a Sentinel group)."""
+    if not is_redis_url(settings.result_backend):
+        return {}
+    config: dict[str, Any] = {"redis_backend_health_check_interval": 30}
+    if is_sentinel_url(settings.result_backend):
+        config["result_backend_transport_options"] = {"master_name": settings.redis_master_name}
     return config
+
+
+class ToolchordCelery(Celery):
+    """Celery, with retry countdowns RabbitMQ's quorum queues can carry.
+
+    On quorum queues Celery delays a message through its native delayed delivery, which counts in
+    whole seconds and rejects a countdown in (0, 1) ("countdown must be a positive number") after
+    the attempt has already ended; toolchord's jittered backoff is often below a second. A
+    fractional countdown is rounded up, so a retry never comes sooner than its backoff asked.
+    """
+
+    whole_second_countdowns = False
+
+    def send_task(self, name: str, *args: Any, **options: Any) -> Any:
+        countdown = options.get("countdown")
+        if self.whole_second_countdowns and countdown:
+            options["countdown"] = math.ceil(countdown)
+        return super().send_task(name, *args, **options)
 
 
 def create_app(settings: Settings | None = None, registry: Registry | None = None) -> Celery:
@@ -73,8 +131,9 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     tools = Registry.from_modules(settings.tool_modules)
     if registry is not None:
         tools.add_missing(registry)
-    app = Celery("toolchord", set_as_current=False)
+    app = ToolchordCelery("toolchord", set_as_current=False)
     app.conf.update(_celery_config(settings))
+    app.whole_second_countdowns = settings.broker_kind == "amqp"
     runtime = app.toolchord = WorkerRuntime(settings, tools)  # type: ignore[attr-defined]
     app.conf.task_default_queue = runtime.queue()
     register_tasks(app)
@@ -83,4 +142,4 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
 
 app = create_app()
 
-__all__ = ["EMBEDDED_POLL_SECONDS", "WorkerRuntime", "app", "create_app", "queues_of", "runtime_of"]
+__all__ = ["EMBEDDED_POLL_SECONDS", "ToolchordCelery", "WorkerRuntime", "app", "create_app", "queues_of", "runtime_of"]

@@ -10,7 +10,10 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+import redis
 from pydantic import BaseModel, Field
+
+from worker.redis_clients import is_redis_url, is_sentinel_url, redis_client, scheme_of
 
 
 class ConfigError(ValueError):
@@ -27,8 +30,7 @@ def _read(env: Mapping[str, str], name: str) -> str | None:
     return env.get(name) or None
 
 
-def _is_redis(url: str | None) -> bool:
-    return bool(url) and url.split("://", 1)[0] in ("redis", "rediss", "unix")
+AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
 
 
 class Settings(BaseModel):
@@ -37,6 +39,9 @@ class Settings(BaseModel):
     broker_url: str | None = None
     result_backend: str | None = None
     redis_url: str | None = None
+    redis_master_name: str | None = Field(
+        default=None, description="Sentinel master (service) name, for sentinel:// URLs."
+    )
     tool_modules: tuple[str, ...] = ()
     default_queue: str = "toolchord"
     visibility_timeout: int = Field(default=3600, gt=0)
@@ -54,12 +59,28 @@ class Settings(BaseModel):
     def embedded(self) -> bool:
         return self.broker_url is None
 
+    @property
+    def broker_kind(self) -> str:
+        """"redis" (a Redis server or Sentinel group), "amqp" (RabbitMQ), "memory" (embedded) or the scheme."""
+        if self.broker_url is None:
+            return "memory"
+        if is_redis_url(self.broker_url):
+            return "redis"
+        scheme = scheme_of(self.broker_url)
+        return "amqp" if scheme in AMQP_SCHEMES else scheme
+
+    def redis_client(self, **options: object) -> redis.Redis:
+        """A client for `redis_url` (Sentinel-aware): the idempotency store, turns, events, spill."""
+        if self.redis_url is None:
+            raise ConfigError("no Redis configured (embedded mode)")
+        return redis_client(self.redis_url, master_name=self.redis_master_name, **options)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """Read TOOLCHORD_* variables (see docs/configuration.md)."""
         env = os.environ if env is None else env
         broker = _read(env, "TOOLCHORD_BROKER_URL")
-        redis_url = _read(env, "TOOLCHORD_REDIS_URL") or (broker if _is_redis(broker) else None)
+        redis_url = _read(env, "TOOLCHORD_REDIS_URL") or (broker if is_redis_url(broker) else None)
         backend = _read(env, "TOOLCHORD_RESULT_BACKEND") or redis_url
         if broker and not backend:
             raise ConfigError(
@@ -68,11 +89,15 @@ class Settings(BaseModel):
             )
         if broker and not redis_url:
             raise ConfigError("set TOOLCHORD_REDIS_URL: idempotency claims and results need Redis")
+        master_name = env.get("TOOLCHORD_REDIS_MASTER_NAME") or None
+        if not master_name and any(is_sentinel_url(url) for url in (broker, redis_url, backend)):
+            raise ConfigError("a sentinel:// URL is configured, so set TOOLCHORD_REDIS_MASTER_NAME")
         modules = tuple(m.strip() for m in env.get("TOOLCHORD_TOOL_MODULES", "").split(",") if m.strip())
         values: dict[str, object] = {
             "broker_url": broker,
             "result_backend": backend,
             "redis_url": redis_url,
+            "redis_master_name": master_name,
             "tool_modules": modules,
         }
         for field, var in (

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, Protocol
 import redis
 from pydantic import BaseModel
 
+from worker.redis_clients import redis_client
 from worker.tools import ToolSpec
 
 PREFIX = "toolchord:idem:"
@@ -161,8 +162,9 @@ class RedisIdempotencyStore:
         self._release = client.register_script(_RELEASE)
 
     @classmethod
-    def from_url(cls, url: str) -> RedisIdempotencyStore:
-        return cls(redis.Redis.from_url(url, health_check_interval=30))
+    def from_url(cls, url: str, master_name: str | None = None) -> RedisIdempotencyStore:
+        """A store on `url` (a sentinel:// URL needs `master_name`)."""
+        return cls(redis_client(url, master_name=master_name, health_check_interval=30))
 
     def claim(self, key: str, token: str, lease: float, ttl: int, cancel_scope: str | None = None) -> Claim:
         names = _keys(key)

@@ -44,7 +44,7 @@ class WorkerRuntime:
     def redis(self) -> redis.Redis | None:
         if self.settings.redis_url is None:
             return None
-        return redis.Redis.from_url(self.settings.redis_url, health_check_interval=30)
+        return self.settings.redis_client(health_check_interval=30)
 
     @cached_property
     def store(self) -> IdempotencyStore:

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from pydantic import BaseModel
+from kombu.utils.url import maybe_sanitize_url
+from pydantic import BaseModel, Field
 
 from orchestrator.bench.load_cluster import TOOL_MODULE, RedisProcess, WorkerProcess, worker_env
 from orchestrator.bench.load_ledger import CallOutcome, LedgerReport, check_ledger
@@ -65,6 +66,7 @@ class LoadConfig(BaseModel):
     visibility_timeout: int = 10
     claim_lease: float = 2.0
     max_seconds: float = 600.0
+    broker_url: str | None = Field(default=None, description="Broker other than the private Redis (RabbitMQ).")
 
 
 class LoadReport(BaseModel):
@@ -315,11 +317,12 @@ def run_scenario(config: LoadConfig, workdir: Path | None = None) -> LoadReport:
         base = workdir or Path(tmp)
         server = RedisProcess(base)
         admin = redis.Redis.from_url(server.url)
-        env = worker_env(server.url, config.visibility_timeout, config.claim_lease)
+        env = worker_env(server.url, config.visibility_timeout, config.claim_lease, config.broker_url)
         workers = [WorkerProcess(env, config.concurrency, f"load{i + 1}", base / f"worker{i + 1}.log")
                    for i in range(config.workers)]
-        settings = Settings(broker_url=server.url, result_backend=server.url, redis_url=server.url,
-                            visibility_timeout=config.visibility_timeout, claim_lease=config.claim_lease)
+        settings = Settings(broker_url=config.broker_url or server.url, result_backend=server.url,
+                            redis_url=server.url, visibility_timeout=config.visibility_timeout,
+                            claim_lease=config.claim_lease)
         registry = Registry.from_modules([TOOL_MODULE])
         orch = _TimedOrchestrator(registry, create_app(settings, registry))
         loop = asyncio.new_event_loop()
@@ -429,6 +432,13 @@ def _targets(reports: Sequence[LoadReport]) -> list[str]:
     return lines
 
 
+def _public(report: dict[str, Any]) -> dict[str, Any]:
+    """A report fit to publish: the broker URL without its password."""
+    if report["config"].get("broker_url"):
+        report["config"]["broker_url"] = maybe_sanitize_url(report["config"]["broker_url"])
+    return report
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`toolchord bench load`: run the scenarios and print the summary; exit 1 if a ledger is off."""
     parser = argparse.ArgumentParser(prog="toolchord bench load", description=__doc__,
@@ -445,6 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--visibility-timeout", type=int, default=10, help="TOOLCHORD_VISIBILITY_TIMEOUT")
     parser.add_argument("--claim-lease", type=float, default=2.0, help="TOOLCHORD_CLAIM_LEASE")
     parser.add_argument("--max-seconds", type=float, default=600.0, help="give up on a scenario after this")
+    parser.add_argument("--broker-url", help="broker to use instead of the private Redis, e.g. an amqp:// URL of an "
+                                             "empty RabbitMQ vhost (results and claims stay in the private Redis)")
     parser.add_argument("--json", type=Path, help="also write the reports to this file")
     parser.add_argument("--scenario-json", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
@@ -454,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = LoadConfig(sessions=options.sessions, turns=options.turns, calls=options.calls, workers=options.workers,
                       concurrency=options.concurrency, work_ms=options.work_ms,
                       visibility_timeout=options.visibility_timeout, claim_lease=options.claim_lease,
-                      max_seconds=options.max_seconds)
+                      max_seconds=options.max_seconds, broker_url=options.broker_url)
     variants = {
         "steady": {},
         # Calls that take a while, so the SIGKILL lands on running handlers of every class.
@@ -470,15 +482,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     reports = []
     for name in wanted:
         config = base.model_copy(update=variants[name])
+        broker = maybe_sanitize_url(config.broker_url) if config.broker_url else "the private Redis"
         print(f"running {config.name}: {config.sessions} sessions x {config.turns} turns x {config.calls} calls, "
-              f"{config.workers} worker(s) x {config.concurrency}", file=sys.stderr, flush=True)
+              f"{config.workers} worker(s) x {config.concurrency}, broker {broker}", file=sys.stderr, flush=True)
         reports.append(_run_isolated(config))
     print(format_table(reports))
     print()
     for line in _targets(reports):
         print(line)
     if options.json:
-        options.json.write_text(json.dumps([r.model_dump() for r in reports], indent=2))
+        options.json.write_text(json.dumps([_public(r.model_dump()) for r in reports], indent=2))
     return 0 if all(r.balanced for r in reports) else 1
 
 

@@ -30,11 +30,14 @@ class RedisProcess(RedisServer):
         self.start()
 
 
-def worker_env(redis_url: str, visibility_timeout: int, claim_lease: float) -> dict[str, str]:
-    """The environment of a load worker: only this cluster's Redis and the load tools."""
+def worker_env(redis_url: str, visibility_timeout: int, claim_lease: float,
+               broker_url: str | None = None) -> dict[str, str]:
+    """The environment of a load worker: this cluster's Redis (and broker, when not that Redis) and the load tools."""
     return processes.worker_env(
         redis_url,
         TOOL_MODULE,
+        TOOLCHORD_BROKER_URL=broker_url or redis_url,
+        TOOLCHORD_REDIS_URL=redis_url,
         TOOLCHORD_VISIBILITY_TIMEOUT=str(visibility_timeout),
         TOOLCHORD_CLAIM_LEASE=str(claim_lease),
         **{LEDGER_URL_ENV: redis_url},
@@ -46,7 +49,7 @@ class WorkerProcess(processes.WorkerProcess):
 
     def __init__(self, env: dict[str, str], concurrency: int, name: str, log: Path) -> None:
         super().__init__(env, "toolchord", concurrency, name, log, loglevel=env.get("TC_BENCH_LOGLEVEL", "WARNING"))
-        self._redis = redis.Redis.from_url(env["TOOLCHORD_BROKER_URL"])
+        self._redis = redis.Redis.from_url(env[LEDGER_URL_ENV])
 
     @property
     def hostname(self) -> str:

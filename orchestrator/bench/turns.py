@@ -53,6 +53,7 @@ from orchestrator.runtime import Orchestrator
 from worker.celery_app import create_app
 from worker.config import Settings
 from worker.models import ToolCall
+from worker.redis_clients import scheme_of
 from worker.registry import Registry
 
 TOOL_MODULE = "orchestrator.bench.turn_tools"
@@ -80,6 +81,7 @@ class Parameters(BaseModel):
                                 "(at least 2 x inflight turns); 0 skips the phase.")
     warmup_turns: int = Field(ge=0)
     redis_stats_turns: int = Field(ge=0, description="Sequential turns per variant and size counted in Redis.")
+    broker: str = Field(default="redis", description="The broker's kind: the private Redis, or amqp (RabbitMQ).")
 
 
 class Environment(BaseModel):
@@ -165,8 +167,8 @@ def _rotated(items: Sequence[Variant], by: int) -> list[Variant]:
 class TurnRunner:
     """Runs one turn of each variant on an app that talks to the benchmark's Redis."""
 
-    def __init__(self, redis_url: str) -> None:
-        settings = Settings(broker_url=redis_url, result_backend=redis_url, redis_url=redis_url)
+    def __init__(self, redis_url: str, broker_url: str | None = None) -> None:
+        settings = Settings(broker_url=broker_url or redis_url, result_backend=redis_url, redis_url=redis_url)
         registry = Registry.from_modules([TOOL_MODULE])
         self.app = create_app(settings, registry)
         self.orchestrator = Orchestrator(registry, self.app)
@@ -381,7 +383,7 @@ def render(report: Report) -> str:
         (f"sizes {params.sizes}, rounds {params.rounds}, latency turns/round {params.turns_per_round}, "
          f"worker concurrency {params.concurrency} (prefork, 1 worker), in flight {params.inflight}, "
          f"throughput calls/round {params.pipeline_calls} (>= {2 * params.inflight} turns), "
-         f"warm-up turns {params.warmup_turns}"),
+         f"warm-up turns {params.warmup_turns}, broker {params.broker}"),
         "",
         (f"== per-turn latency (sequential turns; target: toolchord p50 <= {P50_TARGET}x bare, "
          "checked without the sandbox)"),
@@ -450,21 +452,25 @@ def _close_orchestrator(runner: TurnRunner, loop: asyncio.AbstractEventLoop) -> 
         loop.close()
 
 
-def run(params: Parameters, workdir: Path) -> Report:
-    """Start Redis and the worker, measure, and stop both whatever happens (each stop is independent)."""
+def run(params: Parameters, workdir: Path, broker_url: str | None = None) -> Report:
+    """Start Redis and the worker, measure, and stop both whatever happens (each stop is independent).
+
+    The broker is the private Redis unless `broker_url` names another one (an empty RabbitMQ vhost)."""
     started = time.perf_counter()
     with ExitStack() as cleanup:
         server = RedisServer(workdir)
         cleanup.callback(server.stop)
         server.start()
-        worker = WorkerProcess(worker_env(server.url, TOOL_MODULE), QUEUE, params.concurrency, "bench",
+        env = worker_env(server.url, TOOL_MODULE, TOOLCHORD_BROKER_URL=broker_url or server.url,
+                         TOOLCHORD_REDIS_URL=server.url)
+        worker = WorkerProcess(env, QUEUE, params.concurrency, "bench",
                                workdir / "worker.log", loglevel="WARNING")
         # Registered before start(): a Ctrl-C during start-up must not leave the worker running.
         cleanup.callback(worker.kill)
         worker.start()
         _progress(f"redis-server on port {server.port} and a worker with {params.concurrency} pool processes ready")
         loop = asyncio.new_event_loop()
-        runner = TurnRunner(server.url)
+        runner = TurnRunner(server.url, broker_url)
         cleanup.callback(_close_orchestrator, runner, loop)
         client = cleanup.enter_context(redis.Redis.from_url(server.url))
         for _ in range(params.warmup_turns):
@@ -493,7 +499,7 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[Parameters, Path | None]:
+def parse_args(argv: Sequence[str] | None) -> tuple[Parameters, Path | None, str | None]:
     parser = argparse.ArgumentParser(prog="toolchord bench turns",
                                      description="Turn latency and throughput: toolchord against a bare Celery chord.")
     parser.add_argument("--sizes", type=_sizes, default=[1, 4, 16], help="calls per turn, comma-separated (default 1,4,16)")
@@ -507,21 +513,24 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Parameters, Path | None]:
     parser.add_argument("--warmup", type=int, default=3, help="warm-up turns per variant before measuring")
     parser.add_argument("--redis-stats-turns", type=int, default=40,
                         help="sequential turns per variant and size counted in Redis (0 skips it)")
+    parser.add_argument("--broker-url", help="broker to use instead of the private Redis, e.g. an amqp:// URL of an "
+                                             "empty RabbitMQ vhost (results and claims stay in the private Redis)")
     parser.add_argument("--json", type=Path, help="also write the report as JSON to this path")
     options = parser.parse_args(argv)
     params = Parameters(sizes=options.sizes, rounds=options.rounds, turns_per_round=options.turns_per_round,
                         concurrency=options.concurrency, inflight=options.inflight,
                         pipeline_calls=options.pipeline_calls, warmup_turns=options.warmup,
-                        redis_stats_turns=options.redis_stats_turns)
-    return params, options.json
+                        redis_stats_turns=options.redis_stats_turns,
+                        broker=scheme_of(options.broker_url) if options.broker_url else "redis")
+    return params, options.json, options.broker_url
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m orchestrator.bench.turns` and `toolchord bench turns`; returns the exit status."""
-    params, json_path = parse_args(argv)
+    params, json_path, broker_url = parse_args(argv)
     try:
         with _interrupt_on_sigterm(), tempfile.TemporaryDirectory(prefix="toolchord-bench-") as tmp:
-            report = run(params, Path(tmp))
+            report = run(params, Path(tmp), broker_url)
     except KeyboardInterrupt:
         print("interrupted: Redis and the worker were stopped", file=sys.stderr)
         return 130
