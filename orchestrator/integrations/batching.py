@@ -76,7 +76,10 @@ class TurnBatcher:
         except asyncio.CancelledError:
             batch.waiting -= 1
             if batch.waiting == 0:
-                # Nobody waits for this turn any more: stop watching it (the workers carry on).
+                # Nobody waits for this turn any more: stop watching it (the workers carry on),
+                # and let calls arriving from now on start a turn of their own.
+                if self._open.get(key) is batch:
+                    del self._open[key]
                 batch.task.cancel()
             raise
         batch.waiting -= 1
