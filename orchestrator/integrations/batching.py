@@ -37,9 +37,8 @@ class _Batch:
 
 
 def with_late_results(turn: TurnResult, result: ToolResult) -> str:
-    """The text a framework hands the model for `result`: its content, plus the turn's late-results
-    note on the turn's first result (the note must reach the model once, and every framework here
-    keeps tool results in the order of the calls)."""
+    """The text a framework hands the model for `result`: its content, and on the turn's first
+    result only (so the model reads it once) the note on earlier calls' late results."""
     note = turn.late_results_text()
     if note is None or not turn.results or turn.results[0].call_id != result.call_id:
         return result.content

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic_ai import RunContext
 from pydantic_ai.capabilities import AbstractCapability
-from pydantic_ai.messages import ModelResponse, ToolCallPart, ToolReturnPart
+from pydantic_ai.messages import ModelRequest, ModelResponse, ToolCallPart, ToolReturnPart
 from pydantic_ai.models import ModelRequestContext
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets import AbstractToolset, ToolsetTool
@@ -117,7 +117,7 @@ class ToolchordCapability(AbstractCapability[Any]):
     """Serves `toolset` to an agent and answers calls of unknown tools with toolchord's text.
 
     Pydantic AI rejects a call of a name no toolset has before any toolset sees it, with a retry
-    prompt of its own; this rewrites that prompt, in the request only, into the UNKNOWN_TOOL text
+    prompt of its own; this rewrites that prompt, in the run's history and the request, into the UNKNOWN_TOOL text
     of docs/errors.md (the available tools, closest first). The retry still counts against the
     run's retry budget as before.
     """
@@ -128,26 +128,30 @@ class ToolchordCapability(AbstractCapability[Any]):
     def get_toolset(self) -> ToolchordToolset:
         return self.toolset
 
-    def _unknown_tool_text(self, call: ToolCallPart) -> str | None:
+    def _rewritten(self, part: Any, calls: dict[str, ToolCallPart]) -> Any:
+        """`part`, or toolchord's UNKNOWN_TOOL text in its place when it answers an unknown tool."""
+        if not (isinstance(part, ToolReturnPart) and part.retry is not None and part.retry.cause == "unknown_tool"):
+            return part
+        call = calls.get(part.tool_call_id)
+        if call is None:
+            return part
         checked = prepare_call(ToolCall(id=call.tool_call_id, name=call.tool_name, arguments_raw=""),
                                self.toolset.registry, "")
-        return checked.content if isinstance(checked, ToolResult) else None
+        return replace(part, content=checked.content) if isinstance(checked, ToolResult) else part
+
+    def _rewrite(self, messages: list[Any]) -> None:
+        calls = {part.tool_call_id: part for message in messages if isinstance(message, ModelResponse)
+                 for part in message.parts if isinstance(part, ToolCallPart)}
+        for i, message in enumerate(messages):
+            if isinstance(message, ModelRequest):
+                parts = [self._rewritten(part, calls) for part in message.parts]
+                if any(new is not old for new, old in zip(parts, message.parts, strict=True)):
+                    messages[i] = replace(message, parts=parts)
 
     async def before_model_request(self, ctx: RunContext[Any], request_context: ModelRequestContext) -> ModelRequestContext:
-        calls = {part.tool_call_id: part for message in request_context.messages if isinstance(message, ModelResponse)
-                 for part in message.parts if isinstance(part, ToolCallPart)}
-        messages = []
-        for message in request_context.messages:
-            if not isinstance(message, ModelResponse) and hasattr(message, "parts"):
-                parts = []
-                for part in message.parts:
-                    if (isinstance(part, ToolReturnPart) and part.retry is not None and part.retry.cause == "unknown_tool"
-                            and part.tool_call_id in calls and (text := self._unknown_tool_text(calls[part.tool_call_id]))):
-                        part = replace(part, content=text)
-                    parts.append(part)
-                message = replace(message, parts=parts)
-            messages.append(message)
-        request_context.messages = messages
+        # In the run's history as well as this request: runs continuing the history replay the same text.
+        self._rewrite(ctx.messages)
+        self._rewrite(request_context.messages)
         return request_context
 
 
