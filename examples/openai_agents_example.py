@@ -1,12 +1,9 @@
-"""An OpenAI Agents SDK agent whose tool calls run through toolchord (docs/integrations/openai-agents.md).
+"""An OpenAI Agents SDK agent whose function tools run through toolchord.
 
-    pip install '.[openai-agents]'
-    python examples/openai_agents_example.py
+    pip install '.[openai-agents]' && python examples/openai_agents_example.py
 
-Embedded: no broker, no Redis, no API key. The scripted model server of `toolchord demo` starts in
-this process and plays the demo conversation over `worker.demo_tools` (parallel calls, a tool that
-does not exist, one that times out, invalid arguments). With TOOLCHORD_BROKER_URL set and
-`toolchord worker --tools worker.demo_tools` running, the same calls run on the worker fleet.
+Plays the `toolchord demo` conversation from a scripted model server this script starts, with
+toolchord embedded (no Redis, no key); docs/integrations/openai-agents.md explains each line printed.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""A Pydantic AI agent whose tool calls run through toolchord (docs/integrations/pydantic-ai.md).
+"""A Pydantic AI agent whose toolset runs its calls through toolchord.
 
-    pip install '.[pydantic-ai]'
-    python examples/pydantic_ai_example.py
+    pip install '.[pydantic-ai]' && python examples/pydantic_ai_example.py
 
-Embedded: no broker, no Redis, no API key. The scripted model server of `toolchord demo` starts in
-this process and plays the demo conversation over `worker.demo_tools` (parallel calls, a tool that
-does not exist, one that times out, invalid arguments). With TOOLCHORD_BROKER_URL set and
-`toolchord worker --tools worker.demo_tools` running, the same calls run on the worker fleet.
+No Redis and no API key needed: toolchord runs embedded and the script serves the model itself
+(the scripted conversation of `toolchord demo`). What it prints: docs/integrations/pydantic-ai.md.
 """
 
 from __future__ import annotations

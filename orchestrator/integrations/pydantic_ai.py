@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic_ai import RunContext
 from pydantic_ai.capabilities import AbstractCapability
-from pydantic_ai.messages import ModelRequest, ModelResponse, ToolCallPart, ToolReturnPart
+from pydantic_ai.messages import ModelRequest, ToolReturnPart
 from pydantic_ai.models import ModelRequestContext
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets import AbstractToolset, ToolsetTool
@@ -117,9 +117,9 @@ class ToolchordCapability(AbstractCapability[Any]):
     """Serves `toolset` to an agent and answers calls of unknown tools with toolchord's text.
 
     Pydantic AI rejects a call of a name no toolset has before any toolset sees it, with a retry
-    prompt of its own; this rewrites that prompt, in the run's history and the request, into the UNKNOWN_TOOL text
-    of docs/errors.md (the available tools, closest first). The retry still counts against the
-    run's retry budget as before.
+    prompt of its own; this rewrites that prompt, in the run's history and in the request, into
+    the UNKNOWN_TOOL text of docs/errors.md (the available tools, closest first). The retry still
+    counts against the run's retry budget as before.
     """
 
     def __init__(self, toolset: ToolchordToolset) -> None:
@@ -128,23 +128,20 @@ class ToolchordCapability(AbstractCapability[Any]):
     def get_toolset(self) -> ToolchordToolset:
         return self.toolset
 
-    def _rewritten(self, part: Any, calls: dict[str, ToolCallPart]) -> Any:
-        """`part`, or toolchord's UNKNOWN_TOOL text in its place when it answers an unknown tool."""
+    def _rewritten(self, part: Any) -> Any:
+        """`part`, or a copy with toolchord's UNKNOWN_TOOL text when it answers a call of an unknown tool."""
         if not (isinstance(part, ToolReturnPart) and part.retry is not None and part.retry.cause == "unknown_tool"):
             return part
-        call = calls.get(part.tool_call_id)
-        if call is None:
-            return part
-        checked = prepare_call(ToolCall(id=call.tool_call_id, name=call.tool_name, arguments_raw=""),
+        checked = prepare_call(ToolCall(id=part.tool_call_id, name=part.tool_name, arguments_raw=""),
                                self.toolset.registry, "")
-        return replace(part, content=checked.content) if isinstance(checked, ToolResult) else part
+        if not isinstance(checked, ToolResult) or part.content == checked.content:
+            return part
+        return replace(part, content=checked.content)
 
     def _rewrite(self, messages: list[Any]) -> None:
-        calls = {part.tool_call_id: part for message in messages if isinstance(message, ModelResponse)
-                 for part in message.parts if isinstance(part, ToolCallPart)}
         for i, message in enumerate(messages):
             if isinstance(message, ModelRequest):
-                parts = [self._rewritten(part, calls) for part in message.parts]
+                parts = [self._rewritten(part) for part in message.parts]
                 if any(new is not old for new, old in zip(parts, message.parts, strict=True)):
                     messages[i] = replace(message, parts=parts)
 
