@@ -72,7 +72,8 @@ def test_parallel_calls_one_turn_and_errors_reach_the_model_as_results(
     script = [ScriptedTurn(calls=[ScriptedCall(name="echo", arguments={"text": "first"}),
                                   ScriptedCall(name="echo", arguments={"text": "second"}),
                                   ScriptedCall(name="slow", arguments={"seconds": 5}),
-                                  ScriptedCall(name="teleport", arguments={"to": "Oslo"})]),
+                                  ScriptedCall(name="teleport", arguments={"to": "Oslo"}),
+                                  ScriptedCall(name="echo", arguments='{"text": ')]),
               ScriptedTurn(text="all done")]
 
     async def scenario() -> str:
@@ -87,13 +88,15 @@ def test_parallel_calls_one_turn_and_errors_reach_the_model_as_results(
     assert len(bodies) == 2
     results = tool_messages(bodies[1])
     # Every call of the response has exactly one result, paired by the model's call id.
-    assert set(results) == {"call_001_0", "call_001_1", "call_001_2", "call_001_3"}
+    assert set(results) == {"call_001_0", "call_001_1", "call_001_2", "call_001_3", "call_001_4"}
     assert results["call_001_0"] == "first" and results["call_001_1"] == "second"
     assert results["call_001_2"].startswith("TIMEOUT: 'slow' did not finish within its 1 s limit")
     assert "UNKNOWN_TOOL: there is no tool named 'teleport'. Available tools:" in results["call_001_3"]
+    # Malformed arguments reach toolchord as sent, not the framework's own validation.
+    assert results["call_001_4"].startswith("INVALID_JSON: the arguments for 'echo' are not a JSON object")
     # The framework invoked the known calls one by one; toolchord ran them as one turn.
     [record] = turn_records(clean_redis, "s-parallel")
-    assert [c.id for c in record.calls] == ["call_001_0", "call_001_1", "call_001_2"]
+    assert [c.id for c in record.calls] == ["call_001_0", "call_001_1", "call_001_2", "call_001_4"]
 
 
 @pytest.mark.slow

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from agents import FunctionTool, RunConfig
-from agents.tool_context import ToolContext
 from agents.run_config import ToolErrorFormatterArgs
+from agents.tool_context import ToolContext
 
 from orchestrator.integrations.batching import DEFAULT_BATCH_WINDOW, TurnBatcher, with_late_results
 from orchestrator.pipeline import prepare_call
