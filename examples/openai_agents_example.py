@@ -1,0 +1,41 @@
+"""An OpenAI Agents SDK agent whose function tools run through toolchord.
+
+    pip install '.[openai-agents]' && python examples/openai_agents_example.py
+
+Plays the `toolchord demo` conversation from a scripted model server this script starts, with
+toolchord embedded (no Redis, no key); docs/integrations/openai-agents.md explains each line printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from agents import Agent, OpenAIChatCompletionsModel, Runner
+from agents.items import ToolCallItem, ToolCallOutputItem
+from openai import AsyncOpenAI
+
+from orchestrator import Orchestrator, ScriptedModelServer
+from orchestrator.demo import DEMO_PROMPT, DEMO_SYSTEM, demo_script
+from orchestrator.integrations.openai_agents import ToolchordTools
+from worker.demo_tools import registry
+
+
+async def main() -> None:
+    orchestrator = Orchestrator(registry)  # embedded; Orchestrator(registry, worker.create_app()) for a fleet
+    tools = ToolchordTools(orchestrator, session_id="example-conversation")
+    with ScriptedModelServer(demo_script()) as server:
+        client = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="example")
+        agent = Agent(name="shop assistant", instructions=DEMO_SYSTEM, tools=tools.tools,
+                      model=OpenAIChatCompletionsModel(model="scripted", openai_client=client))
+        result = await Runner.run(agent, DEMO_PROMPT, run_config=tools.run_config(tracing_disabled=True))
+    names = {item.raw_item.call_id: item.raw_item.name for item in result.new_items if isinstance(item, ToolCallItem)}
+    for item in result.new_items:
+        if isinstance(item, ToolCallOutputItem):
+            call_id = item.raw_item["call_id"]
+            print(f"{call_id} {names[call_id]} → {str(item.output).splitlines()[0]}")
+    print(f"final answer: {result.final_output}")
+    await orchestrator.aclose()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
