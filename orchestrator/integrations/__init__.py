@@ -1,0 +1,1 @@
+"""Optional integrations with agent frameworks and MCP; each module needs its extra."""
