@@ -7,6 +7,7 @@ named by TC_TEST_LEDGER, under the same keys as tests/celery_tools.py.
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import redis
@@ -51,4 +52,8 @@ def fail(reason: str) -> str:
 
 
 if __name__ == "__main__":
-    server.run("stdio")
+    # With a port argument: streamable HTTP on the loopback interface, else stdio.
+    if len(sys.argv) > 1:
+        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[1]))
+    else:
+        server.run("stdio")

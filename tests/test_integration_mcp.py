@@ -1,0 +1,152 @@
+"""MCP: a real stdio MCP server (tests/mcp_server.py, written with the `mcp` package's MCPServer)
+registered into a Registry and called by real `toolchord worker` processes; and `toolchord mcp
+serve` driven by the `mcp` package's own client over stdio."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+from mcp import types
+from mcp.client.session import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+
+from orchestrator import Agent, JsonlEventLog, Orchestrator
+from orchestrator.integrations.mcp import McpServer, mcp_registry, mcp_tools, side_effect_for
+from orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, ScriptedTurn
+from tests.cluster_helpers import TOOLS, call, effects, run_in_thread, settings_for, wait_for
+from tests.conftest import ROOT, free_port, worker_env
+from worker import ErrorCode, Registry
+from worker.celery_app import create_app
+from worker.idempotency import PREFIX
+
+MCP_TOOLS = "tests.mcp_tools"
+
+
+@pytest.fixture(scope="module")
+def mcp_tools_module():
+    from tests import mcp_tools
+
+    return mcp_tools
+
+
+def test_annotations_map_to_side_effect_classes_and_overrides_apply(mcp_tools_module):
+    registry = mcp_tools_module.registry
+    assert {spec.name: spec.side_effect for spec in registry} == {
+        "lookup": "read", "put_value": "idempotent", "sleepy": "read", "effect": "unsafe", "fail": "unsafe"}
+    assert registry["sleepy"].timeout == 1.0 and registry["lookup"].timeout == 30.0
+    assert all(not spec.sandbox.isolate for spec in registry)
+    declared = registry.declarations("chat")[0]["function"]
+    assert declared["name"] == "lookup" and declared["parameters"]["required"] == ["item"]
+    assert side_effect_for(types.ToolAnnotations(idempotent_hint=True, destructive_hint=True)) == "unsafe"
+    assert side_effect_for(None) == "unsafe"
+    with pytest.raises(ValueError, match="does not list"):
+        mcp_tools(mcp_tools_module.SERVER, overrides={"lookup_typo": {"side_effect": "read"}})
+
+
+def test_streamable_http_server_tools_run_embedded(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.mcp_server", str(port)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=(tmp_path / "server.log").open("wb"))
+    try:
+        server = McpServer.http(f"http://127.0.0.1:{port}/mcp", name="http-test")
+        registry = None
+        for _ in range(200):
+            try:
+                registry = mcp_registry(server, defaults={"timeout": 10})
+                break
+            except Exception:  # noqa: BLE001 - not listening yet
+                wait_for(lambda: proc.poll() is None, 1, "the HTTP MCP server to stay up")
+        assert registry is not None, (tmp_path / "server.log").read_text()[-2000:]
+        orch = Orchestrator(registry)
+        turn = orch.run_calls("http", [call(0, "lookup", item="x"), call(1, "put_value", key="k", value=3)])
+        assert [r.content for r in turn.results] == ["found x", "k=3"]
+        assert turn.results[1].data == {"result": "k=3"}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.slow
+def test_model_turn_on_workers_pairs_results_and_reports_timeout_and_unknown_tool(start_worker, redis_url, tmp_path):
+    start_worker(MCP_TOOLS, concurrency=3)
+    registry = Registry.from_modules([MCP_TOOLS])
+    orch = Orchestrator(registry, create_app(settings_for(redis_url), registry))
+    script = [
+        ScriptedTurn(calls=[ScriptedCall(name="lookup", arguments={"item": "a"}),
+                            ScriptedCall(name="sleepy", arguments={"seconds": 8}),
+                            ScriptedCall(name="teleport", arguments={}),
+                            ScriptedCall(name="fail", arguments={"reason": "disk full"}),
+                            ScriptedCall(name="put_value", arguments={"key": "k", "value": 1})]),
+        ScriptedTurn(text="done"),
+    ]
+    with ScriptedModelServer(script) as server:
+        agent = Agent(registry, model="scripted", base_url=server.base_url + "/v1", api_key="t", orchestrator=orch,
+                      event_log=JsonlEventLog(tmp_path))
+        result = agent.run("go")
+        second = server.requests[1].body["messages"]
+    step = result.steps[0]
+    assert [r.call_id for r in step.results] == [c.id for c in step.calls]
+    assert [(r.status, r.error.code.value if r.error else None) for r in step.results] == [
+        ("ok", None), ("error", "TIMEOUT"), ("error", "UNKNOWN_TOOL"), ("error", "EXECUTION_ERROR"), ("ok", None)]
+    assert step.results[0].content == "found a" and "disk full" in step.results[3].content
+    tool_messages = [m for m in second if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in tool_messages] == [c.id for c in step.calls]
+    assert "TIMEOUT" in tool_messages[1]["content"] and "UNKNOWN_TOOL" in tool_messages[2]["content"]
+    assert result.text == "done"
+
+
+@pytest.mark.slow
+def test_unsafe_mcp_call_not_rerun_after_worker_sigkill_and_resubmission(start_worker, redis_url, clean_redis):
+    victim = start_worker(MCP_TOOLS, concurrency=2, name="victim")
+    registry = Registry.from_modules([MCP_TOOLS])
+    orch = Orchestrator(registry, create_app(settings_for(redis_url), registry))
+    calls = [call(0, "effect", key="mcp-u", seconds=3), call(1, "lookup", item="b")]
+    thread, box = run_in_thread(orch.run_calls, "s-mcp-kill", calls)
+    wait_for(lambda: effects(clean_redis, "mcp-u") == 1, 60, "the unsafe MCP tool to start")
+    victim.kill()
+    start_worker(MCP_TOOLS, concurrency=2, name="rescuer")
+    thread.join(90)
+    unsafe, read = box["value"].results
+    assert unsafe.error is not None and unsafe.error.code == ErrorCode.OUTCOME_UNKNOWN
+    assert read.content == "found b"  # re-run by the rescuer, through a session of its own
+    # The caller retries the turn (same session and call ids): the stored results come back.
+    again = orch.run_calls("s-mcp-kill", calls)
+    assert [r.model_dump() for r in again.results] == [r.model_dump() for r in box["value"].results]
+    assert effects(clean_redis, "mcp-u") == 1
+
+
+async def _drive_served(env: dict[str, str]) -> dict[str, object]:
+    params = StdioServerParameters(command=sys.executable, args=["-m", "orchestrator.cli", "mcp", "serve",
+                                                                  "--tools", TOOLS], env=env, cwd=str(ROOT))
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        listed = {t.name: t for t in (await session.list_tools()).tools}
+        echo_a, echo_b, unknown, slow = await asyncio.gather(
+            session.call_tool("echo", {"text": "a"}), session.call_tool("echo", {"text": "b"}),
+            session.call_tool("teleport", {}), session.call_tool("slow", {"seconds": 8}))
+    return {"listed": listed, "results": [echo_a, echo_b, unknown, slow]}
+
+
+@pytest.mark.slow
+def test_toolchord_mcp_serve_runs_calls_on_the_fleet(start_worker, redis_url, clean_redis):
+    start_worker(TOOLS, concurrency=3)
+    env = worker_env(redis_url, TOOLS)
+    out = asyncio.run(_drive_served(env))
+    listed = out["listed"]
+    assert listed["echo"].annotations.read_only_hint is True
+    assert listed["effect_idempotent"].annotations.idempotent_hint is True
+    assert listed["effect_unsafe"].annotations.destructive_hint is True
+    assert listed["echo"].input_schema["required"] == ["text"]
+    echo_a, echo_b, unknown, slow = out["results"]
+    texts = [r.content[0].text for r in (echo_a, echo_b, unknown, slow)]
+    assert texts[:2] == ["a", "b"] and not echo_a.is_error
+    assert unknown.is_error and "UNKNOWN_TOOL" in texts[2]
+    assert slow.is_error and "TIMEOUT" in texts[3]
+    assert slow.meta["toolchord"]["error_code"] == "TIMEOUT"
+    # The calls ran on the worker: the orchestrator's call tasks went through this Redis.
+    assert clean_redis.keys(PREFIX + "*")
+
+
