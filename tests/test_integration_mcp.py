@@ -5,6 +5,7 @@ serve` driven by the `mcp` package's own client over stdio."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from orchestrator import Agent, JsonlEventLog, Orchestrator
-from orchestrator.integrations.mcp import McpServer, mcp_registry, mcp_tools, side_effect_for
+from orchestrator.integrations.mcp import McpServer, mcp_tools, side_effect_for
 from orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, ScriptedTurn
 from tests.cluster_helpers import TOOLS, call, effects, run_in_thread, settings_for, wait_for
 from tests.conftest import ROOT, free_port, worker_env
@@ -46,20 +47,19 @@ def test_annotations_map_to_side_effect_classes_and_overrides_apply(mcp_tools_mo
         mcp_tools(mcp_tools_module.SERVER, overrides={"lookup_typo": {"side_effect": "read"}})
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def test_streamable_http_server_tools_run_embedded(tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tests.mcp_server", str(port)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=(tmp_path / "server.log").open("wb"))
     try:
-        server = McpServer.http(f"http://127.0.0.1:{port}/mcp", name="http-test")
-        registry = None
-        for _ in range(200):
-            try:
-                registry = mcp_registry(server, defaults={"timeout": 10})
-                break
-            except Exception:  # noqa: BLE001 - not listening yet
-                wait_for(lambda: proc.poll() is None, 1, "the HTTP MCP server to stay up")
-        assert registry is not None, (tmp_path / "server.log").read_text()[-2000:]
+        wait_for(lambda: _listening(port) or proc.poll() is not None, 60, "the HTTP MCP server to listen")
+        assert proc.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+        registry = Registry(mcp_tools(McpServer.http(f"http://127.0.0.1:{port}/mcp"), defaults={"timeout": 10}))
         orch = Orchestrator(registry)
         turn = orch.run_calls("http", [call(0, "lookup", item="x"), call(1, "put_value", key="k", value=3)])
         assert [r.content for r in turn.results] == ["found x", "k=3"]
@@ -71,7 +71,7 @@ def test_streamable_http_server_tools_run_embedded(tmp_path):
 
 @pytest.mark.slow
 def test_model_turn_on_workers_pairs_results_and_reports_timeout_and_unknown_tool(start_worker, redis_url, tmp_path):
-    start_worker(MCP_TOOLS, concurrency=3)
+    start_worker(MCP_TOOLS, concurrency=2)
     registry = Registry.from_modules([MCP_TOOLS])
     orch = Orchestrator(registry, create_app(settings_for(redis_url), registry))
     script = [

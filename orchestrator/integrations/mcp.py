@@ -153,19 +153,56 @@ def mcp_tools(
             for t in listed]
 
 
+class McpRegistry(Registry):
+    """A Registry of an MCP server's tools, listed from the server on first use.
+
+    Lazily, because a tools module is imported where nothing asks for its tools: a sandbox
+    zygote imports every tool module, and MCP tools never run there.
+    """
+
+    def __init__(
+        self,
+        server: McpServer,
+        *,
+        overrides: Mapping[str, Mapping[str, Any]] | None = None,
+        defaults: Mapping[str, Any] | None = None,
+        prefix: str = "",
+    ) -> None:
+        self.server = server
+        self._source = (dict(overrides or {}), dict(defaults or {}), prefix)
+        self._listed: dict[str, ToolSpec] | None = None
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def _tools(self) -> dict[str, ToolSpec]:
+        if self._listed is None:
+            overrides, defaults, prefix = self._source
+            specs = mcp_tools(self.server, overrides=overrides, defaults=defaults, prefix=prefix)
+            self._listed = {spec.name: spec for spec in specs}
+        return self._listed
+
+    @_tools.setter
+    def _tools(self, value: dict[str, ToolSpec]) -> None:
+        # Registry.__init__ starts from an empty dict; the listing fills it on first use.
+        if value:
+            raise ValueError("McpRegistry lists its tools from the server")
+
+
 def mcp_registry(
     server: McpServer,
     *,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     defaults: Mapping[str, Any] | None = None,
     prefix: str = "",
-) -> Registry:
-    """A Registry of the server's tools (see `mcp_tools`); merge it into yours or expose it in a tools module."""
-    return Registry(mcp_tools(server, overrides=overrides, defaults=defaults, prefix=prefix))
+) -> McpRegistry:
+    """A Registry of the server's tools (see `mcp_tools`), listed on first use; merge it into
+    yours or leave it at module level in a tools module for `toolchord worker --tools`."""
+    return McpRegistry(server, overrides=overrides, defaults=defaults, prefix=prefix)
 
 
 __all__ = [
     "McpArguments",
+    "McpRegistry",
     "McpServer",
     "McpToolError",
     "McpToolHandler",
