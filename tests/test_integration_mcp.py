@@ -5,6 +5,7 @@ serve` driven by the `mcp` package's own client over stdio."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -150,3 +151,14 @@ def test_toolchord_mcp_serve_runs_calls_on_the_fleet(start_worker, redis_url, cl
     assert clean_redis.keys(PREFIX + "*")
 
 
+
+
+@pytest.mark.slow
+def test_the_example_runs_embedded_with_no_redis(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLCHORD_")}
+    env.update(PYTHONPATH=str(ROOT), TOOLCHORD_LOG_DIR=str(tmp_path / "logs"))
+    done = subprocess.run([sys.executable, "examples/mcp_example.py"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for expected in ("[idempotent]", "[unsafe]", "TIMEOUT", "UNKNOWN_TOOL", "sent 1 notes to ann@example.com"):
+        assert expected in done.stdout, done.stdout
