@@ -13,10 +13,15 @@ import json
 import time
 from typing import Annotated, Any, TypedDict
 
-from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, convert_to_openai_messages
+from langchain_core.messages import (
+    AIMessage,
+    AnyMessage,
+    HumanMessage,
+    convert_to_openai_messages,
+)
 from langchain_core.messages.tool import invalid_tool_call, tool_call
 from langgraph.checkpoint.memory import InMemorySaver
-from langgraph.graph import END, START, StateGraph
+from langgraph.graph import START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.prebuilt import tools_condition
 from openai import OpenAI

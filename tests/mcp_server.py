@@ -51,6 +51,12 @@ def fail(reason: str) -> str:
     raise ToolError(reason)
 
 
+@server.tool()
+def crash() -> str:
+    """The server process dies mid-call (no annotations: unsafe)."""
+    os._exit(3)
+
+
 if __name__ == "__main__":
     # With a port argument: streamable HTTP on the loopback interface, else stdio.
     if len(sys.argv) > 1:

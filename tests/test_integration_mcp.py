@@ -37,7 +37,8 @@ def mcp_tools_module():
 def test_annotations_map_to_side_effect_classes_and_overrides_apply(mcp_tools_module):
     registry = mcp_tools_module.registry
     assert {spec.name: spec.side_effect for spec in registry} == {
-        "lookup": "read", "put_value": "idempotent", "sleepy": "read", "effect": "unsafe", "fail": "unsafe"}
+        "lookup": "read", "put_value": "idempotent", "sleepy": "read", "effect": "unsafe", "fail": "unsafe",
+        "crash": "unsafe"}
     assert registry["sleepy"].timeout == 1.0 and registry["lookup"].timeout == 30.0
     assert all(not spec.sandbox.isolate for spec in registry)
     declared = registry.declarations("chat")[0]["function"]
@@ -68,6 +69,16 @@ def test_streamable_http_server_tools_run_embedded(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_server_that_dies_mid_call_is_lost_then_restarted(mcp_tools_module):
+    orch = Orchestrator(mcp_tools_module.registry)
+    lost = orch.run_calls("crash", [call(0, "crash")]).results[0]
+    # An unsafe call whose server died under it may have acted: never reported as failed-and-safe.
+    assert lost.error is not None and lost.error.code == ErrorCode.OUTCOME_UNKNOWN
+    assert "went away" in lost.content
+    after = orch.run_calls("crash", [call(1, "lookup", item="z")]).results[0]
+    assert after.content == "found z"
 
 
 @pytest.mark.slow
