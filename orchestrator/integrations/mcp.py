@@ -1,8 +1,8 @@
 """MCP tools in a toolchord `Registry`: `mcp_registry(McpServer.stdio(...))`. Needs the `mcp` extra.
 
-The server's tools are listed once (a short-lived session) when the registry is built, in every
-process that builds it: the orchestrator (declarations, argument validation against each tool's
-input schema) and each worker (which runs the calls). A worker calls the server on the model's
+The server's tools are listed (over a short-lived session) when the registry is first used, in
+every process that uses it: the orchestrator (declarations, argument validation against each
+tool's input schema) and each worker (which runs the calls). A worker calls the server on the model's
 behalf through the session it keeps per server (`orchestrator.integrations.mcp_sessions`), so MCP
 tools run in the worker process, not in a sandbox child: the MCP server process is the boundary.
 
