@@ -3,6 +3,7 @@ server through the real `openai` client, and the calls run by real `toolchord wo
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -19,9 +20,6 @@ from orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, Scrip
 from tests.cluster_helpers import TOOLS, effects, orchestrator, run_in_thread, wait_for
 from tests.conftest import ROOT
 from worker import ErrorCode
-
-pytestmark = pytest.mark.slow
-
 
 def _example() -> ModuleType:
     spec = importlib.util.spec_from_file_location("langgraph_example", ROOT / "examples" / "langgraph_example.py")
@@ -40,6 +38,7 @@ def tool_messages(state: dict) -> list[ToolMessage]:
     return [m for m in state["messages"] if isinstance(m, ToolMessage)]
 
 
+@pytest.mark.slow
 def test_parallel_calls_come_back_paired_by_id_with_timeout_and_unknown_tool(start_worker, redis_url):
     start_worker(TOOLS, concurrency=3)
     orch = orchestrator(redis_url)
@@ -68,6 +67,7 @@ def test_parallel_calls_come_back_paired_by_id_with_timeout_and_unknown_tool(sta
     assert state["messages"][-1].content == "done"
 
 
+@pytest.mark.slow
 def test_unsafe_call_not_rerun_after_worker_sigkill_and_graph_replay(start_worker, redis_url, clean_redis):
     victim = start_worker(TOOLS, concurrency=2, name="victim")
     orch = orchestrator(redis_url)
@@ -96,6 +96,7 @@ def test_unsafe_call_not_rerun_after_worker_sigkill_and_graph_replay(start_worke
     assert effects(clean_redis, "lg-u") == 1
 
 
+@pytest.mark.slow
 def test_the_example_runs_embedded_with_no_redis(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLCHORD_")}
     env["PYTHONPATH"] = str(ROOT)
@@ -106,9 +107,8 @@ def test_the_example_runs_embedded_with_no_redis(tmp_path):
         assert expected in done.stdout, done.stdout
 
 
-def test_node_accepts_tool_call_lists_and_answers_invalid_json(redis_url):
-    # Embedded: no workers needed for calls that never reach one.
-    node = ToolchordToolNode(EXAMPLE.REGISTRY)
+def test_node_accepts_tool_call_lists_and_answers_invalid_json():
+    node = ToolchordToolNode(EXAMPLE.REGISTRY)  # embedded
     out = node.invoke([{"type": "tool_call", "name": "nope", "args": {}, "id": "c1"}])
     assert [(m.tool_call_id, m.artifact["error"]["code"]) for m in out] == [("c1", "UNKNOWN_TOOL")]
     message = AIMessage(content="", tool_calls=[], invalid_tool_calls=[
@@ -116,3 +116,12 @@ def test_node_accepts_tool_call_lists_and_answers_invalid_json(redis_url):
     out = node.invoke({"messages": [message]})["messages"]
     assert [(m.tool_call_id, m.artifact["error"]["code"]) for m in out] == [("c2", "INVALID_JSON")]
     assert json.loads(json.dumps(out[0].artifact))["status"] == "error"
+
+
+def test_ainvoke_runs_the_turn_on_asyncio():
+    node = ToolchordToolNode(EXAMPLE.REGISTRY)  # embedded
+    message = AIMessage(content="", tool_calls=[{"name": "get_weather", "args": {"city": "Rome"}, "id": "w1"},
+                                                {"name": "get_weather", "args": {"city": "Pisa"}, "id": "w2"}])
+    out = asyncio.run(node.ainvoke([message]))
+    assert [(m.tool_call_id, m.content) for m in out] == [("w1", "sunny and 21 C in Rome"),
+                                                          ("w2", "sunny and 21 C in Pisa")]

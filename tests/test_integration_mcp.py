@@ -173,3 +173,29 @@ def test_the_example_runs_embedded_with_no_redis(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     for expected in ("[idempotent]", "[unsafe]", "TIMEOUT", "UNKNOWN_TOOL", "sent 1 notes to ann@example.com"):
         assert expected in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+def test_mcp_serve_over_streamable_http_round_trips_into_a_registry(tmp_path):
+    """toolchord tools served over HTTP, registered back through MCP: the classes survive both ways."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLCHORD_")}
+    env["TOOLCHORD_LOG_DIR"] = str(tmp_path / "logs")
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "mcp", "serve", "--tools", "worker.demo_tools",
+                             "--transport", "streamable-http", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=(tmp_path / "serve.log").open("wb"))
+    try:
+        wait_for(lambda: _listening(port) or proc.poll() is not None, 60, "toolchord mcp serve to listen")
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
+        registry = Registry(mcp_tools(McpServer.http(f"http://127.0.0.1:{port}/mcp")))
+        served = Registry.from_modules(["worker.demo_tools"])
+        assert {s.name: s.side_effect for s in served} == {
+            s.name: s.side_effect for s in registry if s.name != "read_output"}
+        turn = Orchestrator(registry).run_calls("http-rt", [call(0, "lookup_order", order_id="A-1001"),
+                                                            call(1, "lookup_order", order=1)])
+        assert turn.results[0].status == "ok" and "A-1001" in turn.results[0].content
+        # Checked against the served schema before dispatch, by the registering side.
+        assert turn.results[1].error is not None and turn.results[1].error.code == ErrorCode.INVALID_ARGUMENTS
+    finally:
+        proc.terminate()
+        proc.wait(10)
