@@ -199,3 +199,11 @@ def test_mcp_serve_over_streamable_http_round_trips_into_a_registry(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_mcp_serve_refuses_a_non_loopback_address(capsys):
+    from orchestrator.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["mcp", "serve", "--transport", "streamable-http", "--host", "0.0.0.0"])
+    assert exited.value.code == 2 and "loopback addresses only" in capsys.readouterr().err
