@@ -54,6 +54,7 @@ def _listening(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.slow
 def test_streamable_http_server_tools_run_embedded(tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tests.mcp_server", str(port)], cwd=ROOT,
@@ -71,6 +72,7 @@ def test_streamable_http_server_tools_run_embedded(tmp_path):
         proc.wait(10)
 
 
+@pytest.mark.slow
 def test_a_server_that_dies_mid_call_is_lost_then_restarted(mcp_tools_module):
     orch = Orchestrator(mcp_tools_module.registry)
     lost = orch.run_calls("crash", [call(0, "crash")]).results[0]
