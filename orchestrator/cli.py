@@ -1,6 +1,7 @@
 """The `toolchord` command line (console script `toolchord = orchestrator.cli:main`).
 
-Subcommands: worker, flower (Celery processes, see worker.launch), demo, run, replay, tools, bench.
+Subcommands: worker, flower (Celery processes, see worker.launch), demo, run, replay, tools, bench,
+mcp serve (needs the `mcp` extra).
 `worker`, `flower` and `bench` hand their arguments on untouched: their own parsers (and Celery's)
 own those options.
 """
@@ -60,6 +61,16 @@ def _parser() -> argparse.ArgumentParser:
     tools = sub.add_parser("tools", help="print the tool declarations for a provider")
     tools.add_argument("--provider", choices=PROVIDERS, default="chat")
     tools.add_argument("--tools", help="comma-separated tool modules (default: $TOOLCHORD_TOOL_MODULES or the demo tools)")
+
+    mcp = sub.add_parser("mcp", help="Model Context Protocol: `toolchord mcp serve` exposes the tools as an MCP server")
+    mcp_sub = mcp.add_subparsers(dest="mcp_command", metavar="MCP_COMMAND", required=True)
+    serve = mcp_sub.add_parser("serve", help="serve the tools over MCP; calls run on the fleet (or embedded)")
+    serve.add_argument("--tools", help="comma-separated tool modules (default: $TOOLCHORD_TOOL_MODULES or the demo tools)")
+    serve.add_argument("--transport", choices=("stdio", "streamable-http"), default="stdio")
+    serve.add_argument("--host", default="127.0.0.1", help="streamable-http: loopback addresses only")
+    serve.add_argument("--port", type=int, default=8000, help="streamable-http port")
+    serve.add_argument("--name", default="toolchord", help="the MCP server name")
+    serve.add_argument("--turn-timeout", type=float, help="seconds a call may take in all (default: from the tool)")
     return parser
 
 
@@ -123,6 +134,24 @@ def _tools(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mcp(args: argparse.Namespace) -> int:
+    from orchestrator.integrations.mcp_serve import RegistryMcpServer
+    from orchestrator.runtime import Orchestrator
+    from worker.launch import is_loopback
+
+    if args.transport == "streamable-http" and not is_loopback(args.host):
+        # The MCP server has no authentication of its own: put an authenticating proxy in front.
+        print(f"toolchord mcp serve: refusing to listen on {args.host}: loopback addresses only", file=sys.stderr)
+        return 2
+    # Embedded without TOOLCHORD_BROKER_URL, else on the fleet: the environment decides, as for run.
+    server = RegistryMcpServer(Orchestrator(_registry(args.tools), turn_timeout=args.turn_timeout), name=args.name)
+    if args.transport == "stdio":
+        server.run("stdio")
+    else:
+        server.run("streamable-http", host=args.host, port=args.port)
+    return 0
+
+
 def _passthrough(command: str, rest: list[str]) -> int:
     if command == "worker":
         from worker.launch import run_worker
@@ -145,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in _PASSTHROUGH:
         sys.exit(_passthrough(argv[0], argv[1:]))
     args = _parser().parse_args(argv)
-    handler = {"demo": _demo, "run": _run, "replay": _replay, "tools": _tools}[args.command]
+    handler = {"demo": _demo, "run": _run, "replay": _replay, "tools": _tools, "mcp": _mcp}[args.command]
     sys.exit(handler(args))
 
 

@@ -28,6 +28,20 @@ class ToolOutput(BaseModel):
     data: Any = None
 
 
+class HandlerTimeout(Exception):
+    """Raised by an in-process handler (`isolate=False`) that stopped waiting at its time limit.
+
+    In-process handlers cannot be killed by the sandbox, so one that drives a remote call (an
+    MCP server, say) enforces its limit itself; raising this reports `TIMEOUT` (`OUTCOME_UNKNOWN`
+    for an unsafe tool), exactly as a sandboxed call killed at its limit.
+    """
+
+
+class HandlerLost(Exception):
+    """Raised by an in-process handler whose remote executor died mid-call: reported like a crashed
+    sandbox child (`OUTCOME_UNKNOWN` for an unsafe tool, an execution error otherwise)."""
+
+
 class HandlerOutcome(BaseModel):
     """How one handler run ended. `started` tells whether the handler body was entered."""
 
@@ -67,6 +81,10 @@ def outcome_from_value(value: Any) -> HandlerOutcome:
 
 def outcome_from_exception(spec: ToolSpec, exc: BaseException) -> HandlerOutcome:
     """An outcome for a handler that raised, flagged transient by the tool's declared types."""
+    if isinstance(exc, HandlerTimeout):
+        return HandlerOutcome(status="timeout", error_type="Timeout", error_message=str(exc))
+    if isinstance(exc, HandlerLost):
+        return HandlerOutcome(status="crashed", error_type=type(exc).__name__, error_message=str(exc))
     return HandlerOutcome(
         status="error",
         error_type=type(exc).__name__,

@@ -63,7 +63,8 @@ def run_worker(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _is_loopback(address: str) -> bool:
+def is_loopback(address: str) -> bool:
+    """Whether a listen address is on the loopback interface only."""
     if address == "localhost":
         return True
     try:
@@ -88,7 +89,7 @@ def flower_command(argv: Sequence[str] | None = None, env: dict[str, str] | None
         with open(env["FLOWER_BASIC_AUTH_FILE"]) as handle:
             auth = handle.read().strip()
     has_oauth = bool(env.get("FLOWER_AUTH_PROVIDER") or any(a.startswith("--auth") for a in extra))
-    if not auth and not has_oauth and not _is_loopback(known.address):
+    if not auth and not has_oauth and not is_loopback(known.address):
         raise ConfigError(
             f"refusing to serve Flower on {known.address} without authentication: "
             "set FLOWER_BASIC_AUTH=user:password (or bind to 127.0.0.1)"

@@ -1,0 +1,120 @@
+"""A LangGraph agent whose tool calls run on toolchord: `python examples/langgraph_example.py`.
+
+The graph is the usual ReAct loop (model node -> tools node -> model node ...) with LangGraph's
+`ToolNode` replaced by `ToolchordToolNode`. The model is a scripted OpenAI-compatible server that
+this script starts itself, called with the real `openai` client, so no key or network is needed.
+With no TOOLCHORD_BROKER_URL the calls run embedded (an in-process worker); with one set, start
+`toolchord worker --tools <module with these tools>` and pass `Orchestrator(registry, create_app())`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any, TypedDict
+
+from langchain_core.messages import (
+    AIMessage,
+    AnyMessage,
+    HumanMessage,
+    convert_to_openai_messages,
+)
+from langchain_core.messages.tool import invalid_tool_call, tool_call
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import START, StateGraph
+from langgraph.graph.message import add_messages
+from langgraph.prebuilt import tools_condition
+from openai import OpenAI
+
+from orchestrator.integrations.langgraph import ToolchordToolNode
+from orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, ScriptedTurn
+from worker import Registry, tool
+
+
+@tool(side_effect="read", timeout=5)
+def get_weather(city: str) -> str:
+    """Current weather for a city."""
+    return f"sunny and 21 C in {city}"
+
+
+@tool(side_effect="read", timeout=0.5, max_retries=0)
+def forecast(city: str, days: int) -> str:
+    """A slow forecast service (it always overruns its half-second limit here)."""
+    time.sleep(days)
+    return f"{days}-day forecast for {city}"
+
+
+@tool(side_effect="unsafe", timeout=10)
+def book_table(restaurant: str, people: int) -> str:
+    """Book a table (an unsafe side effect: never run twice)."""
+    return f"booked {restaurant} for {people}"
+
+
+REGISTRY = Registry([get_weather, forecast, book_table])
+
+SCRIPT = [
+    ScriptedTurn(text="Checking.", calls=[
+        ScriptedCall(name="get_weather", arguments={"city": "Oslo"}),
+        ScriptedCall(name="get_weather", arguments={"city": "Bergen"}),
+        ScriptedCall(name="forecast", arguments={"city": "Oslo", "days": 3}),
+        ScriptedCall(name="teleport", arguments={"to": "Oslo"}),
+    ]),
+    ScriptedTurn(calls=[ScriptedCall(name="book_table", arguments={"restaurant": "Maaemo", "people": 2})]),
+    ScriptedTurn(text="Sunny in Oslo and Bergen; the forecast timed out; your table at Maaemo is booked."),
+]
+
+
+class State(TypedDict):
+    messages: Annotated[list[AnyMessage], add_messages]
+
+
+def ai_message(choice_message: Any) -> AIMessage:
+    """An AIMessage from an OpenAI chat completion message (invalid JSON arguments kept as invalid calls)."""
+    calls, invalid = [], []
+    for tc in choice_message.tool_calls or []:
+        try:
+            calls.append(tool_call(name=tc.function.name, args=json.loads(tc.function.arguments or "{}"), id=tc.id))
+        except json.JSONDecodeError as exc:
+            invalid.append(invalid_tool_call(name=tc.function.name, args=tc.function.arguments, id=tc.id,
+                                             error=str(exc)))
+    return AIMessage(content=choice_message.content or "", tool_calls=calls, invalid_tool_calls=invalid)
+
+
+def build_graph(client: OpenAI, tools: ToolchordToolNode, model: str = "scripted") -> Any:
+    """model -> tools -> model ... until the model answers without tool calls."""
+
+    def call_model(state: State) -> dict[str, list[AnyMessage]]:
+        response = client.chat.completions.create(
+            model=model, messages=convert_to_openai_messages(state["messages"]), tools=tools.tool_schemas
+        )
+        return {"messages": [ai_message(response.choices[0].message)]}
+
+    graph = StateGraph(State)
+    graph.add_node("model", call_model)
+    graph.add_node("tools", tools)
+    graph.add_edge(START, "model")
+    graph.add_conditional_edges("model", tools_condition)
+    graph.add_edge("tools", "model")
+    return graph.compile(checkpointer=InMemorySaver())
+
+
+def main() -> int:
+    with ScriptedModelServer(SCRIPT) as server:
+        client = OpenAI(base_url=server.base_url + "/v1", api_key="example")
+        graph = build_graph(client, ToolchordToolNode(REGISTRY))
+        config = {"configurable": {"thread_id": "example-thread"}}
+        state = graph.invoke({"messages": [HumanMessage("Weather in Oslo and Bergen? Book Maaemo for 2.")]}, config)
+    for message in state["messages"]:
+        if isinstance(message, AIMessage):
+            names = ", ".join(tc["name"] for tc in message.tool_calls)
+            print(f"model: {message.content or '(no text)'}" + (f"  → calls {names}" if names else ""))
+        elif message.type == "tool":
+            code = message.artifact.get("error", {}) or {}
+            label = code.get("code", "ok") if message.status == "error" else "ok"
+            print(f"  ← {message.name} [{message.tool_call_id}] {label}: {message.content.splitlines()[0]}")
+    final = state["messages"][-1]
+    return 0 if isinstance(final, AIMessage) and not final.tool_calls else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
