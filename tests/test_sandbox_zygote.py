@@ -56,6 +56,14 @@ def nap(seconds: float) -> str:
     return "rested"
 
 
+@tool(timeout=5)
+def timed_nap(seconds: float) -> list[float]:
+    """Sleep; say when the nap began and ended (CLOCK_MONOTONIC, the same in every process)."""
+    began = time.monotonic()
+    time.sleep(seconds)
+    return [began, time.monotonic()]
+
+
 def run(spec: ToolSpec, **arguments: Any) -> HandlerOutcome:
     return run_isolated(
         spec, spec.args_model(**arguments), sandbox_tools.make_context(spec.name)
@@ -259,20 +267,20 @@ def test_concurrent_calls_share_one_zygote() -> None:
     lock = threading.Lock()
 
     def call() -> None:
-        outcome = run(nap, seconds=0.3)
+        outcome = run(timed_nap, seconds=1.0)
         with lock:
             results.append(outcome)
 
     run(parent_pid)
     threads = [threading.Thread(target=call) for _ in range(4)]
-    start = time.monotonic()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(10)
-    assert [o.status for o in results] == ["ok"] * 4
-    # They ran side by side, not one after the other.
-    assert time.monotonic() - start < 1.1
+    assert [o.status for o in results] == ["ok"] * 4, results
+    # They ran side by side, not one after the other: all four naps were on at one moment.
+    spans = [o.data for o in results]
+    assert max(began for began, _ in spans) < min(ended for _, ended in spans), spans
 
 
 def test_context_arguments_and_allowed_environment_reach_the_zygote_child(
