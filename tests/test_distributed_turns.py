@@ -10,7 +10,8 @@ import pytest
 from tests.cluster_helpers import TOOLS, call, orchestrator, wait_for
 from worker import ErrorCode
 
-pytestmark = pytest.mark.slow
+# Loaded 2-core machine: up to about 18 s with the workers' teardown.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 
 def test_parallel_calls_return_in_model_order(start_worker, redis_url):

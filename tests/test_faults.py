@@ -31,7 +31,8 @@ from worker.celery_app import create_app
 from worker.payloads import CallPayload
 from worker.tasks import TASK_NAMES
 
-pytestmark = pytest.mark.slow
+# Loaded 2-core machine: up to about 20 s (a redelivery after the 8 s visibility timeout).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 ROWS: list[tuple[str, int, int, int, int]] = []
 
