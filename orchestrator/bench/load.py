@@ -178,8 +178,9 @@ class _Plan:
         """The calls the kill lands on: the first call of the middle turn of sessions from the middle
         on, one per side-effect class, unsafe first, at most one per pool process of a worker (a
         worker must be able to run them all at once)."""
-        wanted = ("unsafe", "read", "idempotent")[:min(self.config.concurrency, len(_CLASSES))]
-        turn, doomed = self.config.turns // 2, {}
+        wanted: tuple[SideEffect, ...] = ("unsafe", "read", "idempotent")[:self.config.concurrency]
+        turn = self.config.turns // 2
+        doomed: dict[tuple[int, int, int], SideEffect] = {}
         for session in range(self.config.sessions // 2, self.config.sessions):
             side_effect = self._class_of(session, turn, 0)
             if side_effect in wanted and side_effect not in doomed.values():
@@ -302,6 +303,8 @@ async def _drive(config: LoadConfig, orch: _TimedOrchestrator, admin: redis.Redi
         # between a chord's last call and its callback's dispatch, whose claim outlives the
         # redelivery: that turn then waits for its deadline (see docs/load.md).
         doomed = {plan.tag(*call): side_effect for call, side_effect in plan.doomed.items()}
+        if not doomed:
+            return
         held = await _wait_for_held(admin, list(doomed), config.hold_seconds)
         if len(held) < len(doomed):
             admin.set(RELEASE_KEY, "1")  # no kill: let them finish; the report shows what held
