@@ -102,8 +102,9 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 5.0) -> None:
-        """Start the server and wait until it answers PING."""
+    def start(self, timeout: float = 20.0) -> None:
+        """Start the server and wait until it answers PING (it usually does within milliseconds;
+        the margin is for a machine whose cores are all busy)."""
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(self.workdir), "--loglevel", "warning"],
