@@ -180,6 +180,7 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)  # loaded 2-core machine: about 9 s
 def test_toolchord_demo_prints_the_timeline_and_replays(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLCHORD_")}
     env["TOOLCHORD_LOG_DIR"] = str(tmp_path / "logs")
@@ -208,6 +209,7 @@ def test_toolchord_tools_prints_declarations() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)  # loaded 2-core machine: about 8 s
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_toolchord_run_against_a_model_server(tmp_path: Path, provider: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLCHORD_")}

@@ -12,7 +12,8 @@ import pytest
 
 from orchestrator.bench.processes import ROOT
 
-pytestmark = pytest.mark.slow
+# Loaded 2-core machine: about 15 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 
 def processes_using(path: Path) -> list[int]:

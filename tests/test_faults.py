@@ -31,7 +31,8 @@ from worker.celery_app import create_app
 from worker.payloads import CallPayload
 from worker.tasks import TASK_NAMES
 
-pytestmark = pytest.mark.slow
+# Loaded 2-core machine: up to about 20 s (a redelivery after the 8 s visibility timeout).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 ROWS: list[tuple[str, int, int, int, int]] = []
 
@@ -177,10 +178,12 @@ def test_orchestrator_killed_mid_turn_and_resumed(start_worker, redis_url, clean
 
 def test_late_result_reported_in_next_turn(start_worker, redis_url, clean_redis):
     start_worker(TOOLS, concurrency=2)
-    orch = orchestrator(redis_url, turn_timeout=1.0)
-    first = orch.run_calls("s-late", [call(0, "effect_read", key="k-late", seconds=2)])
+    # The call must start before the deadline (TIMEOUT, not NOT_EXECUTED): 3 s leave room for a loaded machine.
+    orch = orchestrator(redis_url, turn_timeout=3.0)
+    first = orch.run_calls("s-late", [call(0, "effect_read", key="k-late", seconds=4)])
     assert first.results[0].error.code == ErrorCode.TIMEOUT
-    time.sleep(2.5)
+    key = orch.turns.record("s-late", first.turn_id).dispatched[0].key
+    wait_for(lambda: orch.runtime.store.result(key) is not None, 30, "the late result to be stored")
     orch.turn_timeout = 10
     second = orch.run_calls("s-late", [call(1, "echo", text="next")])
     assert [r.call_id for r in second.late_results] == ["call_0"]

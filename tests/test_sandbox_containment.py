@@ -26,7 +26,8 @@ from worker.sandbox.zygote import zygote_pid
 from worker.tools import ToolSpec
 
 pytestmark = pytest.mark.slow
-SLACK = 0.75  # scheduling and fork time on a loaded CI machine
+# Scheduling and fork time on a loaded CI machine: 0.94 s over timeout + grace seen with both cores busy.
+SLACK = 2.0
 
 
 def run(spec: ToolSpec, **arguments: Any) -> HandlerOutcome:

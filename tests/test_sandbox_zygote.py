@@ -25,6 +25,7 @@ from worker.execution import HandlerOutcome
 from worker.sandbox import run_isolated
 from worker.sandbox.zygote import (
     ENV_ALLOW,
+    SPARES,
     set_zygote_enabled,
     start_zygote,
     stop_zygote,
@@ -56,6 +57,14 @@ def nap(seconds: float) -> str:
     return "rested"
 
 
+@tool(timeout=5)
+def timed_nap(seconds: float) -> list[float]:
+    """Sleep; say when the nap began and ended (CLOCK_MONOTONIC, the same in every process)."""
+    began = time.monotonic()
+    time.sleep(seconds)
+    return [began, time.monotonic()]
+
+
 def run(spec: ToolSpec, **arguments: Any) -> HandlerOutcome:
     return run_isolated(
         spec, spec.args_model(**arguments), sandbox_tools.make_context(spec.name)
@@ -67,6 +76,15 @@ def zygote_on() -> Iterator[None]:
     set_zygote_enabled(True)
     yield
     set_zygote_enabled(None)
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def wait_gone(pid: int, seconds: float = 3.0) -> bool:
@@ -206,21 +224,26 @@ def test_killed_zygote_is_restarted(caplog: pytest.LogCaptureFixture) -> None:
 def test_zygote_dying_during_a_call_fails_the_call_and_kills_its_children(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    assert run(parent_pid).status == "ok"
+    # The zygote has loaded the tool once: its spares are of the generation the call uses.
+    assert run(nap, seconds=0).status == "ok"
     zygote = zygote_pid()
     assert zygote is not None
     outcomes: list[HandlerOutcome] = []
     caller = threading.Thread(target=lambda: outcomes.append(run(nap, seconds=4)))
     with caplog.at_level("WARNING", logger="toolchord.sandbox"):
-        start = time.monotonic()
         caller.start()
-        time.sleep(0.5)
-        children = zygote_children(zygote)
-        assert children, "the call and the spares are children of the zygote"
+        # The zygote keeps SPARES live spare children: one more is the running call (an ended
+        # call's child may linger as a zombie until the zygote reaps it).
+        deadline = time.monotonic() + 10
+        while len(children := [c for c in zygote_children(zygote) if running(c)]) <= SPARES:
+            assert time.monotonic() < deadline, f"the call did not start in a child of the zygote: {children}"
+            time.sleep(0.02)
+        killed_at = time.monotonic()
         os.kill(zygote, signal.SIGKILL)
         caller.join(10)
     assert not caller.is_alive()
-    assert time.monotonic() - start < 3
+    # The call would nap 4 s: it ends at the zygote's death instead.
+    assert time.monotonic() - killed_at < 3
     (outcome,) = outcomes
     assert (outcome.status, outcome.error_type) == ("crashed", "ChildCrashed"), outcome
     assert "zygote ended during the call" in (outcome.error_message or "")
@@ -259,20 +282,20 @@ def test_concurrent_calls_share_one_zygote() -> None:
     lock = threading.Lock()
 
     def call() -> None:
-        outcome = run(nap, seconds=0.3)
+        outcome = run(timed_nap, seconds=1.0)
         with lock:
             results.append(outcome)
 
     run(parent_pid)
     threads = [threading.Thread(target=call) for _ in range(4)]
-    start = time.monotonic()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(10)
-    assert [o.status for o in results] == ["ok"] * 4
-    # They ran side by side, not one after the other.
-    assert time.monotonic() - start < 1.1
+    assert [o.status for o in results] == ["ok"] * 4, results
+    # They ran side by side, not one after the other: all four naps were on at one moment.
+    spans = [o.data for o in results]
+    assert max(began for began, _ in spans) < min(ended for _, ended in spans), spans
 
 
 def test_context_arguments_and_allowed_environment_reach_the_zygote_child(

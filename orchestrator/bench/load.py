@@ -9,7 +9,8 @@ one) and does:
    with all N turns waiting against its RSS before (one warm-up turn in flight);
 2. start the workers; every session runs its T turns of K calls (a mix of read, idempotent and
    unsafe tools) one after the other, all sessions at once;
-3. optionally SIGKILL a worker's whole process group half-way and start it again;
+3. optionally SIGKILL a worker's whole process group half-way, while it runs chosen calls of each
+   side-effect class (held in their handlers, see bench.load_tools), and start it again at once;
 4. balance the ledger: each tool counts its runs in Redis per call (see bench.load_ledger).
 Turn latencies are over turns 2..T (turn 1 waited for the workers to start on purpose).
 """
@@ -36,7 +37,7 @@ from pydantic import BaseModel, Field
 
 from orchestrator.bench.load_cluster import TOOL_MODULE, RedisProcess, WorkerProcess, worker_env
 from orchestrator.bench.load_ledger import CallOutcome, LedgerReport, check_ledger
-from orchestrator.bench.load_tools import EFFECTS_PREFIX
+from orchestrator.bench.load_tools import EFFECTS_PREFIX, HELD_PREFIX, RELEASE_KEY, WORKER_NAME_ENV
 from orchestrator.runtime import Orchestrator
 from orchestrator.turn import TurnRecord, TurnResult
 from worker.celery_app import create_app
@@ -67,6 +68,8 @@ class LoadConfig(BaseModel):
     claim_lease: float = 2.0
     max_seconds: float = 600.0
     broker_url: str | None = Field(default=None, description="Broker other than the private Redis (RabbitMQ).")
+    # How long the kill scenario waits for its chosen calls to be running before it gives up on the kill.
+    hold_seconds: float = 60.0
 
 
 class LoadReport(BaseModel):
@@ -87,6 +90,7 @@ class LoadReport(BaseModel):
     redis_clients_orchestrator: int
     cpu_seconds: dict[str, float]
     killed_at_s: float | None
+    killed_running: dict[str, str] = {}
     ledger: LedgerReport
     completed: bool
 
@@ -170,14 +174,36 @@ class _Plan:
         self.run_id = run_id
         self.suffix = "sandboxed" if config.sandboxed else "inproc"
         self.outcomes: dict[str, CallOutcome] = {}
+        self.doomed = self._doomed() if config.kill else {}
+
+    def _doomed(self) -> dict[tuple[int, int, int], SideEffect]:
+        """The calls the kill lands on: the first call of the middle turn of sessions from the middle
+        on, one per side-effect class, unsafe first, at most one per pool process of a worker (a
+        worker must be able to run them all at once)."""
+        wanted: tuple[SideEffect, ...] = ("unsafe", "read", "idempotent")[:self.config.concurrency]
+        turn = self.config.turns // 2
+        doomed: dict[tuple[int, int, int], SideEffect] = {}
+        for session in range(self.config.sessions // 2, self.config.sessions):
+            side_effect = self._class_of(session, turn, 0)
+            if side_effect in wanted and side_effect not in doomed.values():
+                doomed[(session, turn, 0)] = side_effect
+        return doomed
+
+    def _class_of(self, session: int, turn: int, k: int) -> SideEffect:
+        return _CLASSES[(session + turn * self.config.calls + k) % len(_CLASSES)]
+
+    def tag(self, session: int, turn: int, k: int) -> str:
+        return f"{self.run_id}:{session}:{turn}:{k}"
 
     def calls(self, session: int, turn: int) -> list[ToolCall]:
         calls = []
         for k in range(self.config.calls):
-            side_effect = _CLASSES[(session + turn * self.config.calls + k) % len(_CLASSES)]
-            tag = f"{self.run_id}:{session}:{turn}:{k}"
+            side_effect = self._class_of(session, turn, k)
+            tag = self.tag(session, turn, k)
             self.outcomes[tag] = CallOutcome(tag=tag, side_effect=side_effect, results=0)
-            args = {"tag": tag, "work_ms": self.config.work_ms}
+            args: dict[str, Any] = {"tag": tag, "work_ms": self.config.work_ms}
+            if (session, turn, k) in self.doomed:
+                args["hold"] = True
             calls.append(ToolCall(id=f"call_{turn}_{k}", name=f"load_{side_effect}_{self.suffix}",
                                   arguments_raw=json.dumps(args), arguments=args, index=k))
         return calls
@@ -186,7 +212,7 @@ class _Plan:
         for k in range(self.config.calls):
             call_id = f"call_{turn}_{k}"
             matching = [r for r in result.results if r.call_id == call_id]
-            outcome = self.outcomes[f"{self.run_id}:{session}:{turn}:{k}"]
+            outcome = self.outcomes[self.tag(session, turn, k)]
             outcome.results = len(matching)
             if matching:
                 outcome.status = matching[0].status
@@ -196,6 +222,18 @@ class _Plan:
         for extra in (r for r in result.results if r.call_id not in asked):
             self.outcomes[f"{self.run_id}:{session}:{turn}:extra:{extra.call_id}"] = CallOutcome(
                 tag="(unrequested)", side_effect="read", results=2)
+
+
+async def _wait_for_held(admin: redis.Redis, tags: list[str], timeout: float) -> dict[str, str]:
+    """Until every call of `tags` is held in a handler (or the timeout passes): {tag: worker name}."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while True:
+        values = admin.mget([HELD_PREFIX + tag for tag in tags])
+        held = {tag: value.decode() for tag, value in zip(tags, values, strict=True) if value is not None}
+        if len(held) == len(tags) or loop.time() >= end:
+            return held
+        await asyncio.sleep(0.02)
 
 
 async def _wait_for_waiting(admin: redis.Redis, expected: int, timeout: float) -> int:
@@ -229,13 +267,10 @@ async def _drive(config: LoadConfig, orch: _TimedOrchestrator, admin: redis.Redi
                  workers: list[WorkerProcess]) -> dict[str, Any]:
     plan = _Plan(config, run_id=f"r{time.time_ns()}")
     latencies: list[float] = []
-    done_turns = 0
-    total_turns = config.sessions * config.turns
     probe = _LagProbe()
     probe.start()
 
     async def session(index: int) -> None:
-        nonlocal done_turns
         for turn in range(config.turns):
             calls = plan.calls(index, turn)
             began = time.perf_counter()
@@ -243,7 +278,6 @@ async def _drive(config: LoadConfig, orch: _TimedOrchestrator, admin: redis.Redi
             if turn > 0:
                 latencies.append(time.perf_counter() - began)
             plan.record(index, turn, result)
-            done_turns += 1
 
     # A warm-up session: connections, pools and the waiter exist before the "before" figure.
     warm = asyncio.create_task(session(config.sessions))
@@ -263,15 +297,25 @@ async def _drive(config: LoadConfig, orch: _TimedOrchestrator, admin: redis.Redi
     began = time.perf_counter()
 
     killed_at: list[float] = []
+    killed_running: dict[str, str] = {}
 
     async def chaos() -> None:
-        # Kill in the middle of the run: half of the turns are done.
-        while done_turns < total_turns // 2:
-            await asyncio.sleep(0.05)
+        # Kill the workers running the doomed calls once all of them are in their handlers: the
+        # SIGKILL then lands on running calls of each class. A kill at a random moment may land
+        # between a chord's last call and its callback's dispatch, whose claim outlives the
+        # redelivery: that turn then waits for its deadline (see docs/load.md).
+        doomed = {plan.tag(*call): side_effect for call, side_effect in plan.doomed.items()}
+        if not doomed:
+            return
+        held = await _wait_for_held(admin, list(doomed), config.hold_seconds)
+        if len(held) < len(doomed):
+            admin.set(RELEASE_KEY, "1")  # no kill: let them finish; the report shows what held
+            return
         killed_at.append(time.perf_counter() - began)
-        await asyncio.to_thread(workers[0].kill)
-        await asyncio.sleep(1.0)
-        await asyncio.to_thread(workers[0].start)
+        victims = [w for w in workers if w.name in held.values()]
+        await asyncio.gather(*(asyncio.to_thread(w.kill) for w in victims))
+        killed_running.update({side_effect: tag for tag, side_effect in doomed.items()})
+        await asyncio.gather(*(asyncio.to_thread(w.start) for w in victims))
 
     chaos_task = asyncio.create_task(chaos()) if config.kill else None
     cpu_before = _cpu_now(server, workers)
@@ -299,6 +343,7 @@ async def _drive(config: LoadConfig, orch: _TimedOrchestrator, admin: redis.Redi
         "completed": completed,
         "cpu": {k: round(cpu_after[k] - cpu_before[k], 1) for k in cpu_after},
         "killed_at": round(killed_at[0], 1) if killed_at else None,
+        "killed_running": killed_running,
     }
 
 
@@ -318,8 +363,8 @@ def run_scenario(config: LoadConfig, workdir: Path | None = None) -> LoadReport:
         server = RedisProcess(base)
         admin = redis.Redis.from_url(server.url)
         env = worker_env(server.url, config.visibility_timeout, config.claim_lease, config.broker_url)
-        workers = [WorkerProcess(env, config.concurrency, f"load{i + 1}", base / f"worker{i + 1}.log")
-                   for i in range(config.workers)]
+        workers = [WorkerProcess({**env, WORKER_NAME_ENV: f"load{i + 1}"}, config.concurrency, f"load{i + 1}",
+                                 base / f"worker{i + 1}.log") for i in range(config.workers)]
         settings = Settings(broker_url=config.broker_url or server.url, result_backend=server.url,
                             redis_url=server.url, visibility_timeout=config.visibility_timeout,
                             claim_lease=config.claim_lease)
@@ -367,6 +412,7 @@ def run_scenario(config: LoadConfig, workdir: Path | None = None) -> LoadReport:
         completed=figures["completed"],
         cpu_seconds=figures["cpu"],
         killed_at_s=figures["killed_at"],
+        killed_running=figures["killed_running"],
     )
 
 
@@ -425,8 +471,8 @@ def _targets(reports: Sequence[LoadReport]) -> list[str]:
     lines.append(f"ledger balanced in every run: {'yes' if balanced else 'NO'}")
     for report in reports:
         if report.killed_at_s is not None:
-            lines.append(f"{report.config.name}: worker load1 SIGKILLed (process group) {report.killed_at_s:.1f} s "
-                         "into the run and started again")
+            lines.append(f"{report.config.name}: worker SIGKILLed (process group) {report.killed_at_s:.1f} s into the run "
+                         f"while running {', '.join(sorted(report.killed_running))} calls, and started again")
         if not report.balanced:
             lines.append(f"  {report.config.name}: completed={report.completed} {report.ledger.model_dump_json()}")
     return lines

@@ -102,8 +102,9 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 5.0, *, appendonly: bool = False) -> None:
-        """Start the server and wait until it answers PING.
+    def start(self, timeout: float = 20.0, *, appendonly: bool = False) -> None:
+        """Start the server and wait until it answers PING (it usually does within milliseconds;
+        the margin is for a machine whose cores are all busy).
 
         `appendonly` turns the append-only file on with an fsync per write, so a restart (even
         after SIGKILL) keeps every key: a Redis restart that loses nothing.
