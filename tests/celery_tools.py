@@ -103,3 +103,12 @@ _RECONCILE = {"yes": True, "no": False, "unknown": None}
 def effect_reconciled(key: str, answer: str) -> int:
     """Count a side effect; `answer` scripts what the reconcile check says about a lost attempt."""
     return _effect(key, 0.0)
+
+
+@tool(sandbox=SANDBOX, side_effect="unsafe", max_retries=3)
+def forging_unsafe(key: str) -> int:
+    """Act, then forge a result frame claiming it never started, then fail transiently."""
+    count = ledger().incr(f"tc-test:effects:{key}")
+    forged = b'{"status": "error", "started": false, "transient": true, "error_type": "ConnectionError"}'
+    os.write(3, b"TCR1" + len(forged).to_bytes(8, "big") + forged)
+    raise ConnectionError(f"acted {count} times")

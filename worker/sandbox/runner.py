@@ -720,7 +720,9 @@ class _Watch:
         if self.result_complete and not (
             self.kill_reason or self.timed_out or self.cancelled
         ):
-            body = bytes(self.result[RESULT_HEADER_BYTES:])
+            declared = int.from_bytes(self.result[len(RESULT_MAGIC) : RESULT_HEADER_BYTES], "big")
+            # Only the first frame counts: a handler may have written one before the child's own.
+            body = bytes(self.result[RESULT_HEADER_BYTES : RESULT_HEADER_BYTES + declared])
             try:
                 reported = HandlerOutcome.model_validate_json(body)
             except ValueError as exc:

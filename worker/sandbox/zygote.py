@@ -511,6 +511,9 @@ class ZygoteClient:
             parent_pid=os.getpid(),
             modules=sorted(self._modules),
             spares=SPARES,
+            # Calls of an unprivileged worker keep its uid: only a namespace of their own keeps
+            # them from signalling the zygote and the worker where Landlock cannot scope signals.
+            pid_namespace=os.geteuid() != 0,
         )
         connection = _Connection(process, ours, process.pid)
         try:
@@ -529,6 +532,15 @@ class ZygoteClient:
             connection.kill()
             raise
         connection.expect_spares(SPARES)
+        # In a pid namespace the serving zygote is a child of the process started here.
+        connection.pid = ready.pid
+        if ready.pid_namespace is not None:
+            _log.warning(
+                "sandbox zygote serves without a pid namespace of its own (%s): where Landlock "
+                "cannot scope signals (ABI < 6), calls of this unprivileged worker can signal "
+                "the zygote and the worker",
+                ready.pid_namespace,
+            )
         for module, error in ready.failed_modules.items():
             _log.warning(
                 "tool module %s cannot be imported in the sandbox zygote (%s); its tools run in "
@@ -536,7 +548,11 @@ class ZygoteClient:
                 module,
                 error,
             )
-        _log.info("sandbox zygote started (pid %d)", ready.pid)
+        _log.info(
+            "sandbox zygote started (pid %d%s)",
+            ready.pid,
+            ", in a pid namespace of its own" if init.pid_namespace and ready.pid_namespace is None else "",
+        )
         return connection
 
 
