@@ -135,3 +135,23 @@ def forge_not_started() -> str:
 def peaceful() -> int:
     """Do nothing harmful: show that the zygote still serves calls."""
     return os.getpid()
+
+
+@tool(timeout=1)
+def stall() -> None:
+    """Block past the timeout: the worker must kill the right process group."""
+    import time
+
+    time.sleep(60)
+
+
+@tool(timeout=5)
+def leave_orphans(count: int) -> int:
+    """Fork children that outlive this call (until its process group is killed)."""
+    import time
+
+    for _ in range(count):
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+    return count

@@ -290,6 +290,18 @@ def test_unprivileged_a_call_cannot_kill_its_zygote_its_worker_or_everyone(
     assert reports[3]["content"] == "EPERM"
 
 
+def test_unprivileged_timeouts_kill_the_call_and_its_orphans_are_reaped(unprivileged_worker: Any) -> None:
+    """Inside the zygote's pid namespace the worker still kills the right process group, and the
+    zygote (the namespace's init) reaps the orphans of a call."""
+    _, (stalled, orphans, after), code = unprivileged_worker(
+        [("stall", {}), ("leave_orphans", {"count": 5}), ("peaceful", {})], landlock=False
+    )
+    assert code == 0
+    assert stalled["status"] == "timeout", stalled
+    assert orphans["status"] == "ok" and after["status"] == "ok", (orphans, after)
+    assert after["zygote_after"]["zombies"] == 0, after
+
+
 # -- item 4: children left to the zygote ----------------------------------------------------------
 
 

@@ -308,10 +308,10 @@ class _Zygote:
         del self.children[child.pid]
         _kill_group(child.pid)
         _, wait_status = os.waitpid(child.pid, 0)
-        _send(child.status, ZygoteReply(status=wait_status).model_dump_json().encode())
-        child.status.close()
         if self.in_namespace:
             self._reap_orphans()
+        _send(child.status, ZygoteReply(status=wait_status).model_dump_json().encode())
+        child.status.close()
 
     def _reap_orphans(self) -> None:
         """As init, the zygote inherits the orphans of its namespace (a call's grandchildren,
