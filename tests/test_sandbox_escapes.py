@@ -27,12 +27,13 @@ import pytest
 
 from tests import sandbox_escape_tools as attacks
 from tests import sandbox_tools
+from tests.sandbox_tools import run
 from tests.cluster_helpers import call, orchestrator
+from tests.unprivileged_sandbox_worker import zombie_children
 from worker import ErrorCode
 from worker.execution import HandlerOutcome
-from worker.sandbox import probe, run_isolated, zygote
+from worker.sandbox import probe, zygote
 from worker.sandbox.zygote import set_zygote_enabled, stop_zygote, zygote_pid
-from worker.tools import ToolSpec
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,12 +41,6 @@ ROOT = Path(__file__).resolve().parent.parent
 UNPRIVILEGED_UID = 1_800_000_000 + os.getpid() % 100_000
 DATABASE_SOCKETS = ("/run/mysqld/mysqld.sock", "/var/run/postgresql/.s.PGSQL.5432")
 DENIED = {"EPERM", "EACCES", "ESRCH"}
-
-
-def run(spec: ToolSpec, **arguments: Any) -> HandlerOutcome:
-    return run_isolated(
-        spec, spec.args_model(**arguments), sandbox_tools.make_context(spec.name)
-    )
 
 
 @pytest.fixture(autouse=True)
@@ -63,19 +58,6 @@ def fresh_zygote_client() -> Iterator[None]:
     yield
     stop_zygote()
     zygote._client = None
-
-
-def zombie_children(pid: int) -> int:
-    with open(f"/proc/{pid}/task/{pid}/children") as listing:
-        children = listing.read().split()
-    zombies = 0
-    for child in children:
-        try:
-            with open(f"/proc/{child}/stat") as stat:
-                zombies += stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except FileNotFoundError:
-            continue
-    return zombies
 
 
 @pytest.fixture
@@ -351,21 +333,13 @@ def test_a_handler_cannot_claim_it_never_started() -> None:
     assert outcome.started is True
 
 
+@pytest.mark.skipif("netns" not in probe().available(), reason="needs the netns layer")
 def test_a_child_refusing_before_the_handler_reports_not_started() -> None:
-    outcome = run_isolated(
-        sandbox_tools.add,
-        sandbox_tools.add.args_model(a=1, b=2),
-        sandbox_tools.make_context("add"),
-    )
-    assert outcome.started is True
-    unavailable = sandbox_tools.add.model_copy(
-        update={"sandbox": sandbox_tools.add.sandbox.model_copy(update={"required": frozenset({"netns"})})}
-    )
-    if "netns" not in probe().available():
-        pytest.skip("needs the netns layer to reach the child")
-    # A required layer the child cannot apply (the network namespace of a network=True profile is
-    # never planned): the child refuses before the handler, and says so truthfully.
-    refused = run_isolated(unavailable, unavailable.args_model(a=1, b=2), sandbox_tools.make_context("add"))
+    """A required layer the child cannot apply (a network namespace is never planned for a
+    network=True profile): the child refuses before the handler, and the worker believes it."""
+    assert run(sandbox_tools.add, a=1, b=2).started is True
+    profile = sandbox_tools.add.sandbox.model_copy(update={"required": frozenset({"netns"})})
+    refused = run(sandbox_tools.add.model_copy(update={"sandbox": profile}), a=1, b=2)
     assert (refused.error_type, refused.started) == ("SandboxUnavailable", False), refused
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import resource
 import sys
+import time
 from typing import Any
 
 from tests import sandbox_escape_tools
@@ -21,24 +22,33 @@ from worker.sandbox import capabilities, run_isolated
 from worker.sandbox.zygote import set_zygote_enabled, start_zygote, zygote_pid
 
 
-def zygote_state(pid: int | None) -> dict[str, Any]:
-    """Whether the zygote runs, its limits and nice value, and its zombie children."""
-    if pid is None:
-        return {"alive": False}
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as listing:
-            children = [int(child) for child in listing.read().split()]
-        nofile = resource.prlimit(pid, resource.RLIMIT_NOFILE)
-        nice = os.getpriority(os.PRIO_PROCESS, pid)
-    except (OSError, ValueError):
-        return {"alive": False}
+def zombie_children(pid: int) -> int:
+    """How many children of `pid` are zombies (exited, not reaped)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as listing:
+        children = listing.read().split()
     zombies = 0
     for child in children:
         try:
             with open(f"/proc/{child}/stat") as stat:
                 zombies += stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
+        except FileNotFoundError:
             continue
+    return zombies
+
+
+def zygote_state(pid: int | None) -> dict[str, Any]:
+    """Whether the zygote runs, its limits and nice value, and its zombie children (given a few
+    seconds to reap them: the call's result may arrive before its process group is gone)."""
+    if pid is None:
+        return {"alive": False}
+    try:
+        deadline = time.monotonic() + 5
+        while (zombies := zombie_children(pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        nofile = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        nice = os.getpriority(os.PRIO_PROCESS, pid)
+    except (OSError, ValueError):
+        return {"alive": False}
     return {"alive": True, "nofile": list(nofile), "nice": nice, "zombies": zombies}
 
 

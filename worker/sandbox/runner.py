@@ -3,12 +3,13 @@
 The child is forked by this worker process's zygote (`worker.sandbox.zygote`): a clean
 interpreter started with an allow-listed environment that imports only the tool modules, so the
 child's memory holds none of the worker's secrets, and forking it is cheaper than forking a large
-worker. Tools the zygote cannot import by name (defined in `__main__` or inside a function) or load, and every call
-with the zygote switched off (TOOLCHORD_SANDBOX_ZYGOTE=0), run in a direct `os.fork` of the worker
-instead, with a warning (stdlib `multiprocessing` is not used: it refuses to start children from
-daemonic pool processes). A call whose zygote is down fails unrun (`SandboxUnavailable`,
-transient, started=False) rather than fall back to a fork of the worker. Both children apply the same layers (`worker.sandbox.child`) and the worker watches
-both the same way: output and result pipes, wall deadline, process-group kill.
+worker. Tools the zygote cannot import by name (defined in `__main__` or inside a function) or
+load, and every call with the zygote switched off (TOOLCHORD_SANDBOX_ZYGOTE=0), run in a direct
+`os.fork` of the worker instead, with a warning (stdlib `multiprocessing` is not used: it refuses
+to start children from daemonic pool processes). A call whose zygote is down fails unrun
+(`SandboxUnavailable`, transient, started=False) rather than fall back to a fork of the worker.
+Both children apply the same layers (`worker.sandbox.child`) and the worker watches both the same
+way: output and result pipes, wall deadline, process-group kill.
 
 Residual risk of the direct fork: the child starts with a copy of the worker's memory, so
 anything the worker holds in Python objects (broker URL with its password in the Celery config,

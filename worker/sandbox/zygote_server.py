@@ -124,19 +124,21 @@ def _enter_pid_namespace(sock: socket.socket) -> str | None:
     user_namespace = os.geteuid() != 0
     try:
         unshare(CLONE_NEWPID | (CLONE_NEWUSER if user_namespace else 0))
-        if user_namespace:
-            # Only the worker's own ids: the namespace grants nothing the worker did not have.
-            for name, text in (
-                ("setgroups", "deny"),
-                ("uid_map", f"{uid} {uid} 1"),
-                ("gid_map", f"{gid} {gid} 1"),
-            ):
-                with open(f"/proc/self/{name}", "w") as control:
-                    control.write(text)
-        keeper_alive, keeper_end = os.pipe()
-        pid = os.fork()
     except OSError as exc:
         return f"{type(exc).__name__}: {exc}"
+    # From here a failure ends the zygote (the worker logs that it could not start): it could not
+    # go on serving from a half-made namespace.
+    if user_namespace:
+        # Only the worker's own ids: the namespace grants nothing the worker did not have.
+        for name, text in (
+            ("setgroups", "deny"),
+            ("uid_map", f"{uid} {uid} 1"),
+            ("gid_map", f"{gid} {gid} 1"),
+        ):
+            with open(f"/proc/self/{name}", "w") as control:
+                control.write(text)
+    keeper_alive, keeper_end = os.pipe()
+    pid = os.fork()
     if pid:
         sock.close()
         os.close(keeper_alive)
@@ -175,6 +177,14 @@ class _Zygote:
         self.in_namespace = in_namespace
         self.selector = selectors.DefaultSelector()
         self.selector.register(sock, selectors.EVENT_READ, None)
+        self.orphans_r = -1
+        if in_namespace:
+            # Orphans of the namespace become the zygote's children: SIGCHLD (through a wakeup
+            # pipe, so the loop sees it) gets them reaped as they end. Children reset both.
+            self.orphans_r, orphans_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            signal.signal(signal.SIGCHLD, lambda _signum, _frame: None)
+            signal.set_wakeup_fd(orphans_w, warn_on_full_buffer=False)
+            self.selector.register(self.orphans_r, selectors.EVENT_READ, self.orphans_r)
         self.children: dict[int, _Child] = {}
         self.specs: dict[bytes, ToolSpec] = {}
 
@@ -183,6 +193,9 @@ class _Zygote:
             for key, _events in self.selector.select():
                 if key.data is None:
                     self._receive()
+                elif key.data == self.orphans_r:
+                    self._drain(self.orphans_r)
+                    self._reap_orphans()
                 else:
                     self._finish(key.data)
 
@@ -312,6 +325,14 @@ class _Zygote:
             self._reap_orphans()
         _send(child.status, ZygoteReply(status=wait_status).model_dump_json().encode())
         child.status.close()
+
+    @staticmethod
+    def _drain(fd: int) -> None:
+        try:
+            while os.read(fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def _reap_orphans(self) -> None:
         """As init, the zygote inherits the orphans of its namespace (a call's grandchildren,
