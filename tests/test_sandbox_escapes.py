@@ -224,22 +224,29 @@ def test_a_zygote_that_cannot_offer_a_child_fails_the_call_and_is_restarted(
 def test_a_zygote_that_keeps_dying_is_paused_not_disabled(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_zygote_client: None
 ) -> None:
-    monkeypatch.setattr(zygote, "DEATH_WINDOW_SECONDS", 3.0)
+    """Before, a zygote killed four times within a minute was disabled for good and every later
+    call ran in a fork of the worker; now calls fail until the deaths are old enough."""
+    monkeypatch.setattr(zygote, "DEATHS_ALLOWED", 1)
+    monkeypatch.setattr(zygote, "DEATH_WINDOW_SECONDS", 20.0)
     outcomes: list[HandlerOutcome] = []
     with caplog.at_level("WARNING", logger="toolchord.sandbox"):
-        for _ in range(zygote.DEATHS_ALLOWED + 2):
+        for _ in range(3):
             outcomes.append(run(sandbox_tools.add, a=1, b=1))
             pid = zygote_pid()
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-    paused = outcomes[-1]
+    assert [o.status for o in outcomes[:2]] == ["ok", "ok"], outcomes
+    paused = outcomes[2]
     assert (paused.status, paused.error_type, paused.started) == ("error", "SandboxUnavailable", False)
+    assert "next start in" in (paused.error_message or "")
     assert "direct fork" not in caplog.text
+    # The deaths age out of the window: the zygote runs again.
+    monkeypatch.setattr(zygote, "DEATH_WINDOW_SECONDS", 0.5)
     deadline = time.monotonic() + 10
     while run(sandbox_tools.add, a=1, b=1).status != "ok":
         assert time.monotonic() < deadline, "the zygote was never started again"
-        time.sleep(0.5)
+        time.sleep(0.2)
     assert zygote_pid() is not None
 
 
