@@ -11,6 +11,7 @@ import ctypes
 import errno
 import json
 import os
+import platform
 import resource
 import signal
 import socket
@@ -18,7 +19,7 @@ import socket
 from worker import SandboxProfile, tool
 
 CLONE_PARENT = 0x00008000
-_SYS_CLONE = 56  # x86-64
+_SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(platform.machine(), 56)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
