@@ -340,6 +340,11 @@ def test_a_handler_cannot_claim_it_never_started() -> None:
     assert outcome.started is True
 
 
+def test_unprivileged_a_handler_cannot_claim_it_never_started(unprivileged_worker: Any) -> None:
+    _, (report,), _ = unprivileged_worker([("forge_not_started", {})], landlock=False)
+    assert (report["status"], report["started"]) == ("error", True), report
+
+
 @pytest.mark.skipif("netns" not in probe().available(), reason="needs the netns layer")
 def test_a_child_refusing_before_the_handler_reports_not_started() -> None:
     """A required layer the child cannot apply (a network namespace is never planned for a
