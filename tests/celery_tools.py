@@ -109,6 +109,9 @@ def effect_reconciled(key: str, answer: str) -> int:
 def forging_unsafe(key: str) -> int:
     """Act, then forge a result frame claiming it never started, then fail transiently."""
     count = ledger().incr(f"tc-test:effects:{key}")
-    forged = b'{"status": "error", "started": false, "transient": true, "error_type": "ConnectionError"}'
+    forged = (
+        b'{"status": "error", "started": false, "transient": true, '
+        b'"error_type": "ConnectionError"}'
+    )
     os.write(3, b"TCR1" + len(forged).to_bytes(8, "big") + forged)
     raise ConnectionError(f"acted {count} times")

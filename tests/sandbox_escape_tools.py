@@ -56,9 +56,7 @@ def tamper_with_processes(pids: list[int]) -> dict[str, str]:
             lambda pid=pid: os.sched_setaffinity(pid, {0})
         )
         report[f"{pid} scheduler"] = _attempt(
-            lambda pid=pid: os.sched_setscheduler(
-                pid, os.SCHED_IDLE, os.sched_param(0)
-            )
+            lambda pid=pid: os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
         )
     return report
 
@@ -96,15 +94,25 @@ def clone_parent(count: int) -> dict[str, int]:
     return {"made": made, "refused": refused}
 
 
-@tool(timeout=5, sandbox=SandboxProfile(network=False))
-def unix_connect(path: str) -> str:
-    """Connect to a named Unix socket with the network off."""
+def _connect_unix(path: str) -> str:
     def connect() -> None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(2)
             sock.connect(path)
 
     return _attempt(connect)
+
+
+@tool(timeout=5, sandbox=SandboxProfile(network=False))
+def unix_connect(path: str) -> str:
+    """Connect to a named Unix socket with the network off."""
+    return _connect_unix(path)
+
+
+@tool(timeout=5)
+def unix_connect_with_network(path: str) -> str:
+    """The same with the network on: shows the socket is reachable from a sandbox at all."""
+    return _connect_unix(path)
 
 
 @tool(timeout=5, sandbox=SandboxProfile(network=False))

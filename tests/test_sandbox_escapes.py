@@ -17,6 +17,7 @@ import site
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -61,13 +62,12 @@ def fresh_zygote_client() -> Iterator[None]:
 
 
 @pytest.fixture
-def unix_server(tmp_path: Path) -> Iterator[str]:
-    """A Unix stream socket anyone may connect to, outside every call's workdir."""
-    directory = tmp_path / "sockets"
-    directory.mkdir()
-    for path in (tmp_path, directory):
-        path.chmod(0o755)
-    path = str(directory / "server.sock")
+def unix_server() -> Iterator[str]:
+    """A Unix stream socket anyone may connect to, outside every call's workdir (in a directory
+    every uid can reach, as a database's socket directory is)."""
+    directory = tempfile.mkdtemp(prefix="toolchord-test-sockets-")
+    os.chmod(directory, 0o755)
+    path = os.path.join(directory, "server.sock")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     os.chmod(path, 0o777)
@@ -89,6 +89,7 @@ def unix_server(tmp_path: Path) -> Iterator[str]:
     stop.set()
     thread.join(2)
     server.close()
+    shutil.rmtree(directory)
 
 
 # -- an unprivileged worker ---------------------------------------------------------------------
@@ -106,7 +107,11 @@ def unprivileged_python() -> list[str] | None:
     for candidate in candidates:
         try:
             probe_run = subprocess.run(
-                [candidate, "-c", "import sys, pydantic_core, pyseccomp, worker; print(sys.version_info[:2])"],
+                [
+                    candidate,
+                    "-c",
+                    "import sys, pydantic_core, pyseccomp, worker; print(sys.version_info[:2])",
+                ],
                 env=unprivileged_env(),
                 cwd=ROOT,
                 capture_output=True,
@@ -116,7 +121,9 @@ def unprivileged_python() -> list[str] | None:
             )
         except OSError:
             continue
-        if probe_run.returncode == 0 and probe_run.stdout.strip() == str(sys.version_info[:2]):
+        if probe_run.returncode == 0 and probe_run.stdout.strip() == str(
+            sys.version_info[:2]
+        ):
             return [candidate]
     return None
 
@@ -139,9 +146,13 @@ def unprivileged_worker() -> Any:
         pytest.skip("starting a worker as another uid needs root")
     python = unprivileged_python()
     if python is None:
-        pytest.skip("no interpreter with this environment's packages is usable by another uid")
+        pytest.skip(
+            "no interpreter with this environment's packages is usable by another uid"
+        )
 
-    def run_calls(calls: list[tuple[str, dict[str, Any]]], landlock: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
+    def run_calls(
+        calls: list[tuple[str, dict[str, Any]]], landlock: bool = True
+    ) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
         request = json.dumps({"calls": calls, "landlock": landlock})
         finished = subprocess.run(
             [*python, "-m", "tests.unprivileged_sandbox_worker", request],
@@ -152,19 +163,25 @@ def unprivileged_worker() -> Any:
             timeout=120,
             **drop_to_unprivileged(),
         )
-        lines = [json.loads(line) for line in finished.stdout.splitlines() if line.startswith("{")]
+        lines = [
+            json.loads(line)
+            for line in finished.stdout.splitlines()
+            if line.startswith("{")
+        ]
         assert lines, finished.stderr[-3000:]
         return lines[0], lines[1:], finished.returncode
 
     return run_calls
 
 
-# -- item 1: limits and priority of other processes ----------------------------------------------
+# -- limits and priority of other processes -----------------------------------------------------
 
 
 def assert_only_own_process_changed(report: dict[str, str]) -> None:
     assert report["own setrlimit"] == "ok" and report["own nice"] == "ok", report
-    others = {name: answer for name, answer in report.items() if not name.startswith("own")}
+    others = {
+        name: answer for name, answer in report.items() if not name.startswith("own")
+    }
     assert others and all(answer in DENIED for answer in others.values()), others
 
 
@@ -196,10 +213,13 @@ def test_unprivileged_a_call_cannot_lower_the_limits_or_priority_of_its_zygote_o
 
 
 def test_a_zygote_that_cannot_offer_a_child_fails_the_call_and_is_restarted(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_zygote_client: None
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    fresh_zygote_client: None,
 ) -> None:
     """What a call that starves its zygote achieves: the next calls fail unrun, never fall back
-    to a fork of the worker (whose memory holds its secrets), and a new zygote takes over."""
+    to a fork of the worker (whose memory holds its secrets), and a new zygote takes over.
+    """
     monkeypatch.setattr(zygote, "REPLY_SECONDS", 1.0)
     assert run(sandbox_tools.add, a=1, b=1).status == "ok"
     starved = zygote_pid()
@@ -212,7 +232,10 @@ def test_a_zygote_that_cannot_offer_a_child_fails_the_call_and_is_restarted(
     assert failed, "the spares ran out, so a call must have found no child"
     first = failed[0]
     assert (first.status, first.error_type, first.started, first.transient) == (
-        "error", "SandboxUnavailable", False, True
+        "error",
+        "SandboxUnavailable",
+        False,
+        True,
     ), first
     assert "not run" in (first.error_message or "")
     assert "direct fork" not in caplog.text
@@ -222,7 +245,9 @@ def test_a_zygote_that_cannot_offer_a_child_fails_the_call_and_is_restarted(
 
 
 def test_a_zygote_that_keeps_dying_is_paused_not_disabled(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_zygote_client: None
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    fresh_zygote_client: None,
 ) -> None:
     """Before, a zygote killed four times within a minute was disabled for good and every later
     call ran in a fork of the worker; now calls fail until the deaths are old enough."""
@@ -238,7 +263,11 @@ def test_a_zygote_that_keeps_dying_is_paused_not_disabled(
                 os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
     assert [o.status for o in outcomes[:2]] == ["ok", "ok"], outcomes
     paused = outcomes[2]
-    assert (paused.status, paused.error_type, paused.started) == ("error", "SandboxUnavailable", False)
+    assert (paused.status, paused.error_type, paused.started) == (
+        "error",
+        "SandboxUnavailable",
+        False,
+    )
     assert "next start in" in (paused.error_message or "")
     assert "direct fork" not in caplog.text
     # The deaths age out of the window: the zygote runs again.
@@ -250,13 +279,17 @@ def test_a_zygote_that_keeps_dying_is_paused_not_disabled(
     assert zygote_pid() is not None
 
 
-# -- item 3: signals ------------------------------------------------------------------------------
+# -- signals ------------------------------------------------------------------------------------
 
 
 def test_a_call_cannot_kill_its_zygote_its_worker_or_everyone() -> None:
     assert run(sandbox_tools.add, a=1, b=1).status == "ok"
     parent = zygote_pid()
-    outcomes = [run(attacks.kill_parent), run(attacks.kill_pid, pid=os.getpid()), run(attacks.kill_everyone)]
+    outcomes = [
+        run(attacks.kill_parent),
+        run(attacks.kill_pid, pid=os.getpid()),
+        run(attacks.kill_everyone),
+    ]
     assert [o.content for o in outcomes] == ["EPERM"] * 3, outcomes
     assert zygote_pid() == parent
 
@@ -266,8 +299,13 @@ def test_unprivileged_a_call_cannot_kill_its_zygote_its_worker_or_everyone(
     unprivileged_worker: Any, landlock: bool
 ) -> None:
     header, reports, code = unprivileged_worker(
-        [("kill_parent", {}), ("kill_pid", {"pid": "$zygote"}), ("kill_pid", {"pid": "$worker"}),
-         ("kill_everyone", {}), ("peaceful", {})],
+        [
+            ("kill_parent", {}),
+            ("kill_pid", {"pid": "$zygote"}),
+            ("kill_pid", {"pid": "$worker"}),
+            ("kill_everyone", {}),
+            ("peaceful", {}),
+        ],
         landlock=landlock,
     )
     assert code == 0, "the worker was killed"
@@ -275,15 +313,20 @@ def test_unprivileged_a_call_cannot_kill_its_zygote_its_worker_or_everyone(
     assert ("landlock" in reports[0]["sandbox_layers"]) is landlock
     for report in reports:
         assert report["status"] == "ok", report
-        assert report["zygote_after"]["alive"] and report["zygote_now"] == header["zygote"], report
+        assert (
+            report["zygote_after"]["alive"] and report["zygote_now"] == header["zygote"]
+        ), report
     assert reports[3]["content"] == "EPERM"
 
 
-def test_unprivileged_timeouts_kill_the_call_and_its_orphans_are_reaped(unprivileged_worker: Any) -> None:
+def test_unprivileged_timeouts_kill_the_call_and_its_orphans_are_reaped(
+    unprivileged_worker: Any,
+) -> None:
     """Inside the zygote's pid namespace the worker still kills the right process group, and the
     zygote (the namespace's init) reaps the orphans of a call."""
     _, (stalled, orphans, after), code = unprivileged_worker(
-        [("stall", {}), ("leave_orphans", {"count": 5}), ("peaceful", {})], landlock=False
+        [("stall", {}), ("leave_orphans", {"count": 5}), ("peaceful", {})],
+        landlock=False,
     )
     assert code == 0
     assert stalled["status"] == "timeout", stalled
@@ -291,7 +334,7 @@ def test_unprivileged_timeouts_kill_the_call_and_its_orphans_are_reaped(unprivil
     assert after["zygote_after"]["zombies"] == 0, after
 
 
-# -- item 4: children left to the zygote ----------------------------------------------------------
+# -- children left to the zygote ----------------------------------------------------------------
 
 
 def test_clone_parent_is_refused_so_the_zygote_keeps_no_zombies() -> None:
@@ -305,7 +348,9 @@ def test_clone_parent_is_refused_so_the_zygote_keeps_no_zombies() -> None:
 
 
 def test_unprivileged_clone_parent_is_refused(unprivileged_worker: Any) -> None:
-    _, (report,), _ = unprivileged_worker([("clone_parent", {"count": 20})], landlock=False)
+    _, (report,), _ = unprivileged_worker(
+        [("clone_parent", {"count": 20})], landlock=False
+    )
     assert report["data"] == {"made": 0, "refused": 20}, report
     assert report["zygote_after"]["zombies"] == 0
 
@@ -313,13 +358,18 @@ def test_unprivileged_clone_parent_is_refused(unprivileged_worker: Any) -> None:
 # -- named Unix sockets with the network off ------------------------------------------------------
 
 
-def test_named_unix_sockets_are_unreachable_with_the_network_off(unix_server: str) -> None:
-    with socket.socket(socket.AF_UNIX) as reachable:
-        reachable.connect(unix_server)  # the server works
-    assert run(attacks.unix_connect, path=unix_server).content == "EPERM"
-    for path in DATABASE_SOCKETS:
-        if os.path.exists(path):
-            assert run(attacks.unix_connect, path=path).content == "EPERM", path
+def test_named_unix_sockets_are_unreachable_with_the_network_off(
+    unix_server: str,
+) -> None:
+    paths = [unix_server, *(p for p in DATABASE_SOCKETS if os.path.exists(p))]
+    # With the network on a sandboxed call reaches them (neither uid nor Landlock stops it)...
+    assert [run(attacks.unix_connect_with_network, path=p).content for p in paths] == [
+        "ok"
+    ] * len(paths)
+    # ...with it off it cannot, while socketpair() still works.
+    assert [run(attacks.unix_connect, path=p).content for p in paths] == [
+        "EPERM"
+    ] * len(paths)
     assert run(attacks.unix_socketpair).content == "ping"
 
 
@@ -327,8 +377,12 @@ def test_unprivileged_named_unix_sockets_are_unreachable_with_the_network_off(
     unprivileged_worker: Any, unix_server: str
 ) -> None:
     paths = [unix_server, *(p for p in DATABASE_SOCKETS if os.path.exists(p))]
-    _, reports, _ = unprivileged_worker([("unix_connect", {"path": p}) for p in paths])
-    assert [r["content"] for r in reports] == ["EPERM"] * len(paths), reports
+    _, reports, _ = unprivileged_worker(
+        [("unix_connect_with_network", {"path": p}) for p in paths]
+        + [("unix_connect", {"path": p}) for p in paths]
+    )
+    contents = [r["content"] for r in reports]
+    assert contents == ["ok"] * len(paths) + ["EPERM"] * len(paths), reports
 
 
 # -- the worker decides whether a call started ---------------------------------------------------
@@ -340,7 +394,20 @@ def test_a_handler_cannot_claim_it_never_started() -> None:
     assert outcome.started is True
 
 
-def test_unprivileged_a_handler_cannot_claim_it_never_started(unprivileged_worker: Any) -> None:
+def test_handlers_the_sandbox_stopped_count_as_started() -> None:
+    """No frame at all, or one the worker refused: the start mark still says the handler ran."""
+    for spec in (
+        sandbox_tools.flood_stdout,
+        sandbox_tools.die_by_signal,
+        sandbox_tools.exit_quietly,
+    ):
+        outcome = run(spec)
+        assert (outcome.status, outcome.started) == ("crashed", True), outcome
+
+
+def test_unprivileged_a_handler_cannot_claim_it_never_started(
+    unprivileged_worker: Any,
+) -> None:
     _, (report,), _ = unprivileged_worker([("forge_not_started", {})], landlock=False)
     assert (report["status"], report["started"]) == ("error", True), report
 
@@ -348,16 +415,26 @@ def test_unprivileged_a_handler_cannot_claim_it_never_started(unprivileged_worke
 @pytest.mark.skipif("netns" not in probe().available(), reason="needs the netns layer")
 def test_a_child_refusing_before_the_handler_reports_not_started() -> None:
     """A required layer the child cannot apply (a network namespace is never planned for a
-    network=True profile): the child refuses before the handler, and the worker believes it."""
+    network=True profile): the child refuses before the handler, and the worker believes it.
+    """
     assert run(sandbox_tools.add, a=1, b=2).started is True
-    profile = sandbox_tools.add.sandbox.model_copy(update={"required": frozenset({"netns"})})
+    profile = sandbox_tools.add.sandbox.model_copy(
+        update={"required": frozenset({"netns"})}
+    )
     refused = run(sandbox_tools.add.model_copy(update={"sandbox": profile}), a=1, b=2)
-    assert (refused.error_type, refused.started) == ("SandboxUnavailable", False), refused
+    assert (refused.error_type, refused.started) == (
+        "SandboxUnavailable",
+        False,
+    ), refused
 
 
-def test_an_unsafe_tool_forging_not_started_is_not_run_again(start_worker, redis_url, clean_redis) -> None:
+def test_an_unsafe_tool_forging_not_started_is_not_run_again(
+    start_worker, redis_url, clean_redis
+) -> None:
     start_worker("tests.celery_tools", concurrency=1)
-    turn = orchestrator(redis_url).run_calls("s-forge", [call(0, "forging_unsafe", key="forge")])
+    turn = orchestrator(redis_url).run_calls(
+        "s-forge", [call(0, "forging_unsafe", key="forge")]
+    )
     (result,) = turn.results
     assert result.attempts == 1 and result.error is not None, result
     assert result.error.code == ErrorCode.EXECUTION_ERROR

@@ -38,7 +38,8 @@ def zombie_children(pid: int) -> int:
 
 def zygote_state(pid: int | None) -> dict[str, Any]:
     """Whether the zygote runs, its limits and nice value, and its zombie children (given a few
-    seconds to reap them: the call's result may arrive before its process group is gone)."""
+    seconds to reap them: the call's result may arrive before its process group is gone).
+    """
     if pid is None:
         return {"alive": False}
     try:
@@ -72,14 +73,27 @@ def main(request: dict[str, Any]) -> None:
         )
     set_zygote_enabled(True)
     first = start_zygote([sandbox_escape_tools.__name__])
-    print(json.dumps({"worker": os.getpid(), "uid": os.getuid(), "zygote": first}), flush=True)
+    print(
+        json.dumps({"worker": os.getpid(), "uid": os.getuid(), "zygote": first}),
+        flush=True,
+    )
     for name, arguments in request["calls"]:
         spec = getattr(sandbox_escape_tools, name)
         substitutes = {"$zygote": first, "$worker": os.getpid()}
-        resolved = {key: substitute(value, substitutes) for key, value in arguments.items()}
+        resolved = {
+            key: substitute(value, substitutes) for key, value in arguments.items()
+        }
         outcome = run_isolated(spec, spec.args_model(**resolved), make_context(name))
         report = outcome.model_dump(
-            include={"status", "started", "data", "content", "error_type", "error_message", "sandbox_layers"}
+            include={
+                "status",
+                "started",
+                "data",
+                "content",
+                "error_type",
+                "error_message",
+                "sandbox_layers",
+            }
         )
         report["zygote_after"] = zygote_state(first)
         report["zygote_now"] = zygote_pid()

@@ -19,7 +19,10 @@ class SandboxProfile(BaseModel):
     )
     network: bool = Field(
         default=True,
-        description="False blocks socket() for every family (named Unix sockets too); socketpair() works.",
+        description=(
+            "False blocks socket() for every family (named Unix sockets too); "
+            "socketpair() works."
+        ),
     )
     filesystem: Literal["confined", "open"] = Field(
         default="confined",

@@ -670,10 +670,14 @@ class _Watch:
                     "OutputLimitExceeded",
                     f"stdout/stderr exceeded {OUTPUT_FLOOD_BYTES} bytes",
                 )
-        elif self.kill_reason is None and not self.result_complete:
+        elif not self.result_complete and (
+            self.kill_reason is None or not self.start_checked
+        ):
+            # The start mark counts even after a kill (an output flood): the handler ran.
             self.result += chunk
             self._check_start()
-            self._check_frame()
+            if self.kill_reason is None:
+                self._check_frame()
         return True
 
     def _check_start(self) -> None:
@@ -689,9 +693,7 @@ class _Watch:
             return
         if not self.result.startswith(RESULT_MAGIC):
             return  # garbage: reported once the child has ended
-        declared = int.from_bytes(
-            self.result[len(RESULT_MAGIC) : RESULT_HEADER_BYTES], "big"
-        )
+        declared = self._declared_length()
         if declared > RESULT_MAX_BYTES:
             self._stop(
                 "ResultTooLarge",
@@ -704,6 +706,9 @@ class _Watch:
                 "ChildProtocolError",
                 f"child wrote more than {RESULT_MAX_BYTES} bytes to the result pipe",
             )
+
+    def _declared_length(self) -> int:
+        return int.from_bytes(self.result[len(RESULT_MAGIC) : RESULT_HEADER_BYTES], "big")
 
     def _stop(self, error_type: str, message: str) -> None:
         self.kill_reason = (error_type, message)
@@ -721,9 +726,9 @@ class _Watch:
         if self.result_complete and not (
             self.kill_reason or self.timed_out or self.cancelled
         ):
-            declared = int.from_bytes(self.result[len(RESULT_MAGIC) : RESULT_HEADER_BYTES], "big")
             # Only the first frame counts: a handler may have written one before the child's own.
-            body = bytes(self.result[RESULT_HEADER_BYTES : RESULT_HEADER_BYTES + declared])
+            end = RESULT_HEADER_BYTES + self._declared_length()
+            body = bytes(self.result[RESULT_HEADER_BYTES:end])
             try:
                 reported = HandlerOutcome.model_validate_json(body)
             except ValueError as exc:

@@ -74,7 +74,8 @@ class ZygoteToolError(Exception):
 
 
 class ZygoteUnavailable(Exception):
-    """The zygote is not running or was lost before the call reached a child: the call did not run."""
+    """The zygote is not running or was lost before the call reached a child: the call did not
+    run."""
 
 
 class _ZygoteLost(Exception):
@@ -548,10 +549,11 @@ class ZygoteClient:
                 module,
                 error,
             )
+        in_namespace = init.pid_namespace and ready.pid_namespace is None
         _log.info(
             "sandbox zygote started (pid %d%s)",
             ready.pid,
-            ", in a pid namespace of its own" if init.pid_namespace and ready.pid_namespace is None else "",
+            ", in a pid namespace of its own" if in_namespace else "",
         )
         return connection
 
