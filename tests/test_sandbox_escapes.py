@@ -220,14 +220,15 @@ def test_a_zygote_that_cannot_offer_a_child_fails_the_call_and_is_restarted(
     """What a call that starves its zygote achieves: the next calls fail unrun, never fall back
     to a fork of the worker (whose memory holds its secrets), and a new zygote takes over.
     """
-    monkeypatch.setattr(zygote, "REPLY_SECONDS", 1.0)
+    monkeypatch.setattr(zygote, "REPLY_SECONDS", 2.0)
     assert run(sandbox_tools.add, a=1, b=1).status == "ok"
     starved = zygote_pid()
     assert starved is not None
     # Stopped: it forks no more spares and answers nothing, like a zygote starved of resources.
     os.kill(starved, signal.SIGSTOP)
     with caplog.at_level("WARNING", logger="toolchord.sandbox"):
-        outcomes = [run(attacks.peaceful) for _ in range(4)]
+        # At most the spares offered before the stop (two) serve calls.
+        outcomes = [run(attacks.peaceful) for _ in range(3)]
     failed = [o for o in outcomes if o.status != "ok"]
     assert failed, "the spares ran out, so a call must have found no child"
     first = failed[0]
@@ -240,7 +241,9 @@ def test_a_zygote_that_cannot_offer_a_child_fails_the_call_and_is_restarted(
     assert "not run" in (first.error_message or "")
     assert "direct fork" not in caplog.text
     assert f"sandbox zygote (pid {starved}) lost" in caplog.text
-    assert outcomes[-1].status == "ok", outcomes[-1]
+    deadline = time.monotonic() + 20
+    while run(attacks.peaceful).status != "ok":
+        assert time.monotonic() < deadline, "no new zygote took over"
     assert zygote_pid() not in (None, starved)
 
 
