@@ -22,30 +22,32 @@ from worker.sandbox import capabilities, run_isolated
 from worker.sandbox.zygote import set_zygote_enabled, start_zygote, zygote_pid
 
 
-def zombie_children(pid: int) -> int:
-    """How many children of `pid` are zombies (exited, not reaped)."""
-    with open(f"/proc/{pid}/task/{pid}/children") as listing:
-        children = listing.read().split()
-    zombies = 0
-    for child in children:
-        try:
-            with open(f"/proc/{child}/stat") as stat:
-                zombies += stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except FileNotFoundError:
-            continue
-    return zombies
+def zombie_children(pid: int, settle_seconds: float = 5.0) -> int:
+    """How many children of `pid` are zombies (exited, not reaped), once it had up to
+    `settle_seconds` to reap them: a call's result arrives before its child is reaped.
+    """
+    deadline = time.monotonic() + settle_seconds
+    while True:
+        with open(f"/proc/{pid}/task/{pid}/children") as listing:
+            children = listing.read().split()
+        zombies = 0
+        for child in children:
+            try:
+                with open(f"/proc/{child}/stat") as stat:
+                    zombies += stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+            except FileNotFoundError:
+                continue
+        if not zombies or time.monotonic() > deadline:
+            return zombies
+        time.sleep(0.05)
 
 
 def zygote_state(pid: int | None) -> dict[str, Any]:
-    """Whether the zygote runs, its limits and nice value, and its zombie children (given a few
-    seconds to reap them: the call's result may arrive before its process group is gone).
-    """
+    """Whether the zygote runs, its limits and nice value, and its zombie children."""
     if pid is None:
         return {"alive": False}
     try:
-        deadline = time.monotonic() + 5
-        while (zombies := zombie_children(pid)) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        zombies = zombie_children(pid)
         nofile = resource.prlimit(pid, resource.RLIMIT_NOFILE)
         nice = os.getpriority(os.PRIO_PROCESS, pid)
     except (OSError, ValueError):
