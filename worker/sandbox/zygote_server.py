@@ -120,23 +120,13 @@ def _enter_pid_namespace(sock: socket.socket) -> str | None:
     way, so the worker's view of its zygote process does not change. The new process is killed
     with the keeper (parent-death signal), and the namespace's other processes with it.
     """
-    uid, gid = os.getuid(), os.getgid()
     user_namespace = os.geteuid() != 0
-    try:
-        unshare(CLONE_NEWPID | (CLONE_NEWUSER if user_namespace else 0))
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    # From here a failure ends the zygote (the worker logs that it could not start): it could not
-    # go on serving from a half-made namespace.
-    if user_namespace:
-        # Only the worker's own ids: the namespace grants nothing the worker did not have.
-        for name, text in (
-            ("setgroups", "deny"),
-            ("uid_map", f"{uid} {uid} 1"),
-            ("gid_map", f"{gid} {gid} 1"),
-        ):
-            with open(f"/proc/self/{name}", "w") as control:
-                control.write(text)
+    # Tried first in a throwaway child: a namespace that cannot be completed (the id maps refused)
+    # cannot be left again, while a zygote without one can still serve.
+    failure = _in_throwaway_child(lambda: _unshare_pid_namespace(user_namespace))
+    if failure is not None:
+        return failure
+    _unshare_pid_namespace(user_namespace)
     keeper_alive, keeper_end = os.pipe()
     pid = os.fork()
     if pid:
@@ -154,6 +144,38 @@ def _enter_pid_namespace(sock: socket.socket) -> str | None:
     # As init, the zygote receives from inside its namespace only signals it handles: keep none.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     return None
+
+
+def _unshare_pid_namespace(user_namespace: bool) -> None:
+    """New pid namespace for the next child, inside a new user namespace when not root."""
+    uid, gid = os.getuid(), os.getgid()
+    unshare(CLONE_NEWPID | (CLONE_NEWUSER if user_namespace else 0))
+    if user_namespace:
+        # Only the worker's own ids: the namespace grants nothing the worker did not have.
+        for name, text in (
+            ("setgroups", "deny"),
+            ("uid_map", f"{uid} {uid} 1"),
+            ("gid_map", f"{gid} {gid} 1"),
+        ):
+            with open(f"/proc/self/{name}", "w") as control:
+                control.write(text)
+
+
+def _in_throwaway_child(action: Callable[[], None]) -> str | None:
+    """Run `action` in a forked child; None if it worked, else what it raised."""
+    report_r, report_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            action()
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            os.write(report_w, f"{type(exc).__name__}: {exc}".encode()[:4096])
+        os._exit(0)
+    os.close(report_w)
+    report = os.read(report_r, 4096)
+    os.close(report_r)
+    os.waitpid(pid, 0)
+    return report.decode("utf-8", "replace") or None
 
 
 def _keep(pid: int) -> NoReturn:
