@@ -8,8 +8,13 @@ import signal
 import socket
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from worker import SandboxProfile, ToolContext, tool
+
+if TYPE_CHECKING:
+    from worker.execution import HandlerOutcome
+    from worker.tools import ToolSpec
 
 FAST = SandboxProfile(memory_mb=256, max_processes=32)
 NO_NET = SandboxProfile(network=False)
@@ -242,6 +247,13 @@ def make_context(name: str, cancel_after: float | None = None) -> ToolContext:
         cancel_at = time.monotonic() + cancel_after
         context.bind_cancel_check(lambda: time.monotonic() >= cancel_at)
     return context
+
+
+def run(spec: ToolSpec, **arguments: object) -> HandlerOutcome:
+    """One call of `spec` through the sandbox, with a test context."""
+    from worker.sandbox import run_isolated
+
+    return run_isolated(spec, spec.args_model(**arguments), make_context(spec.name))
 
 
 def run_in_pool_child(name: str) -> tuple[str, str | None, int]:

@@ -183,7 +183,7 @@ def _probe() -> SandboxCapabilities:
         ok = bool(trial.get("seccomp", False))
         seccomp_status = LayerStatus(
             available=ok,
-            detail="blocks non-AF_UNIX sockets"
+            detail="blocks sockets with the network off"
             if ok
             else f"load failed: {trial.get('seccomp_error')}",
         )

@@ -41,6 +41,11 @@ RESULT_MAGIC = b"TCR1"
 """A result frame is RESULT_MAGIC, the JSON length as 8 bytes big-endian, then the JSON: the worker
 knows the result is complete without waiting for the child's exit or end of file."""
 RESULT_HEADER_BYTES = len(RESULT_MAGIC) + 8
+START_MARK = b"TCS1"
+"""Written on the result pipe, before any of the tool's code (argument validators included) runs.
+The worker decides `HandlerOutcome.started` from it: a handler cannot take it back by writing a
+frame that claims it never started, while a child that refused the call before this point
+(a required layer missing) reports started=False truthfully."""
 RESULT_FD = 3
 CONTROL_FD = 4
 FIRST_ROOT_FD = 5
@@ -352,6 +357,7 @@ def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
             error_message=f"required sandbox layer(s) could not be applied: {detail}",
             sandbox_layers=list(applied),
         )
+    _write_all(START_MARK)
     context = plan.context.model_copy(update={"workdir": plan.workdir})
     context.bind_cancel_check(_CancelFlag())
     if isinstance(plan.args, str):
@@ -407,7 +413,11 @@ def _send(outcome: HandlerOutcome) -> None:
         except (OSError, ValueError):
             pass
     body = outcome.model_dump_json().encode()
-    payload = memoryview(RESULT_MAGIC + len(body).to_bytes(8, "big") + body)
+    _write_all(RESULT_MAGIC + len(body).to_bytes(8, "big") + body)
+
+
+def _write_all(data: bytes) -> None:
+    payload = memoryview(data)
     while payload:
         written = os.write(RESULT_FD, payload)
         payload = payload[written:]

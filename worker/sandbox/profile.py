@@ -18,7 +18,11 @@ class SandboxProfile(BaseModel):
         default=True, description="Run each call in its own child process."
     )
     network: bool = Field(
-        default=True, description="False blocks sockets other than AF_UNIX."
+        default=True,
+        description=(
+            "False blocks socket() for every family (named Unix sockets too); "
+            "socketpair() works."
+        ),
     )
     filesystem: Literal["confined", "open"] = Field(
         default="confined",

@@ -3,11 +3,13 @@
 The child is forked by this worker process's zygote (`worker.sandbox.zygote`): a clean
 interpreter started with an allow-listed environment that imports only the tool modules, so the
 child's memory holds none of the worker's secrets, and forking it is cheaper than forking a large
-worker. Tools the zygote cannot import by name (defined in `__main__` or inside a function), and
-every call while the zygote is disabled or being replaced, run in a direct `os.fork` of the worker
-instead (stdlib `multiprocessing` is not used: it refuses to start children from daemonic pool
-processes). Both children apply the same layers (`worker.sandbox.child`) and the worker watches
-both the same way: output and result pipes, wall deadline, process-group kill.
+worker. Tools the zygote cannot import by name (defined in `__main__` or inside a function) or
+load, and every call with the zygote switched off (TOOLCHORD_SANDBOX_ZYGOTE=0), run in a direct
+`os.fork` of the worker instead, with a warning (stdlib `multiprocessing` is not used: it refuses
+to start children from daemonic pool processes). A call whose zygote is down fails unrun
+(`SandboxUnavailable`, transient, started=False) rather than fall back to a fork of the worker.
+Both children apply the same layers (`worker.sandbox.child`) and the worker watches both the same
+way: output and result pipes, wall deadline, process-group kill.
 
 Residual risk of the direct fork: the child starts with a copy of the worker's memory, so
 anything the worker holds in Python objects (broker URL with its password in the Celery config,
@@ -39,6 +41,7 @@ from worker.sandbox.child import (
     RESULT_HEADER_BYTES,
     RESULT_MAGIC,
     SETUP_FAILED_STATUS,
+    START_MARK,
     ChildPlan,
     child_main,
 )
@@ -54,6 +57,7 @@ from worker.sandbox.workdir import (
 )
 from worker.sandbox.zygote import (
     ZygoteToolError,
+    ZygoteUnavailable,
     locate,
     zygote_client,
     zygote_enabled,
@@ -125,6 +129,15 @@ def run_isolated(
         for layer in caps.missing(requested_layers(profile)):
             _warn_once(layer, caps)
         return _supervise(spec, args, context, limit, caps)
+    except ZygoteUnavailable as exc:
+        # Transient: the next call starts a new zygote, so the retry policy may try again.
+        return HandlerOutcome(
+            status="error",
+            started=False,
+            transient=True,
+            error_type="SandboxUnavailable",
+            error_message=f"{exc}; the call was not run",
+        )
     except OSError as exc:
         # fork, pipe or mkdtemp failed: the worker is short of resources, the handler never ran.
         return HandlerOutcome(
@@ -432,7 +445,9 @@ def _start_in_zygote(
     layers: _Layers,
     child_fds: tuple[int, int, int],
 ) -> _Child | None:
-    """Hand the call to a child of the zygote; None when it has to fork the worker instead."""
+    """Hand the call to a child of the zygote; None when the tool runs in a direct fork (zygote
+    switched off, or a tool it cannot import or load). Raises ZygoteUnavailable when the zygote
+    is down: the call must then fail, never fall back to a fork of the worker."""
     if not zygote_enabled():
         return None
     locator = locate(spec)
@@ -563,6 +578,9 @@ class _Watch:
         self.output_total = 0
         self.result = bytearray()
         self.result_complete = False
+        # Set by the worker only: the child wrote START_MARK, so the tool's code may have run.
+        self.handler_started = False
+        self.start_checked = False
         self.kill_reason: tuple[str, str] | None = None
         self.timed_out = False
         self.cancelled = False
@@ -707,19 +725,30 @@ class _Watch:
                     "OutputLimitExceeded",
                     f"stdout/stderr exceeded {OUTPUT_FLOOD_BYTES} bytes",
                 )
-        elif self.kill_reason is None and not self.result_complete:
+        elif not self.result_complete and (
+            self.kill_reason is None or not self.start_checked
+        ):
+            # The start mark counts even after a kill (an output flood): the handler ran.
             self.result += chunk
-            self._check_frame()
+            self._check_start()
+            if self.kill_reason is None:
+                self._check_frame()
         return True
+
+    def _check_start(self) -> None:
+        if self.start_checked or len(self.result) < len(START_MARK):
+            return
+        self.start_checked = True
+        if self.result.startswith(START_MARK):
+            self.handler_started = True
+            del self.result[: len(START_MARK)]
 
     def _check_frame(self) -> None:
         if len(self.result) < RESULT_HEADER_BYTES:
             return
         if not self.result.startswith(RESULT_MAGIC):
             return  # garbage: reported once the child has ended
-        declared = int.from_bytes(
-            self.result[len(RESULT_MAGIC) : RESULT_HEADER_BYTES], "big"
-        )
+        declared = self._declared_length()
         if declared > RESULT_MAX_BYTES:
             self._stop(
                 "ResultTooLarge",
@@ -732,6 +761,9 @@ class _Watch:
                 "ChildProtocolError",
                 f"child wrote more than {RESULT_MAX_BYTES} bytes to the result pipe",
             )
+
+    def _declared_length(self) -> int:
+        return int.from_bytes(self.result[len(RESULT_MAGIC) : RESULT_HEADER_BYTES], "big")
 
     def _stop(self, error_type: str, message: str) -> None:
         self.kill_reason = (error_type, message)
@@ -749,17 +781,23 @@ class _Watch:
         if self.result_complete and not (
             self.kill_reason or self.timed_out or self.cancelled
         ):
-            body = bytes(self.result[RESULT_HEADER_BYTES:])
+            # Only the first frame counts: a handler may have written one before the child's own.
+            end = RESULT_HEADER_BYTES + self._declared_length()
+            body = bytes(self.result[RESULT_HEADER_BYTES:end])
             try:
                 reported = HandlerOutcome.model_validate_json(body)
             except ValueError as exc:
                 outcome = self._protocol_error(type(exc).__name__, body)
             else:
                 reported.output = output
+                # Never the child's word: a hostile handler would claim "not started" to have an
+                # unsafe call run again.
+                reported.started = self.handler_started
                 return reported
         else:
             outcome = self._parent_verdict()
         # The child did not report, or its report does not count: describe what was set up.
+        outcome.started = self.handler_started
         outcome.output = output
         outcome.duration_ms = (time.monotonic() - self.started) * 1000
         outcome.sandbox_layers = planned_layers

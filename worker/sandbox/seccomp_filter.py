@@ -7,12 +7,15 @@ the BPF bytes, and a forked child only hands them to prctl(PR_SET_SECCOMP).
 The default action is allow; the listed calls fail with EPERM so a handler sees a clear
 PermissionError instead of being killed. The filter only lists the native architecture, so
 libseccomp's bad-architecture action kills calls made through a foreign ABI (e.g. int 0x80).
+
+Integer arguments are compared on their low 32 bits where the kernel reads an `int` (a rule on
+the full 64-bit value could be dodged by setting the upper half, which the kernel ignores); rules
+of the form "any value but 0" compare all 64 bits, which only refuses more.
 """
 
 from __future__ import annotations
 
 import errno
-import socket
 import tempfile
 import threading
 
@@ -47,7 +50,34 @@ DENIED_CALLS: tuple[str, ...] = (
     "reboot",
     "setsid",
     "setpgid",
+    # Reach into other processes through a pidfd: take their descriptors, advise or reclaim
+    # their memory, compare their kernel objects.
+    "pidfd_getfd",
+    "process_madvise",
+    "process_mrelease",
+    "kcmp",
 )
+
+# Calls whose first argument names the target process, 0 meaning the caller: any other value
+# would let a call lower the limits, priority or CPU set of its zygote, its worker or another call
+# of the same user (on an unprivileged worker all of them share the uid).
+OWN_PROCESS_ONLY: tuple[str, ...] = (
+    "prlimit64",
+    "sched_setscheduler",
+    "sched_setparam",
+    "sched_setattr",
+    "sched_setaffinity",
+    "migrate_pages",
+    "move_pages",
+)
+# setpriority(which, who, ...) and ioprio_set(which, who, ...): `who` must be 0 (the caller or its
+# process group) and `which` must not name a whole user.
+_PRIO_USER = 2
+_IOPRIO_WHO_USER = 3
+_LOW_32 = 0xFFFFFFFF
+_SIGN_32 = 0x80000000
+CLONE_PARENT = 0x00008000
+"""A child made with CLONE_PARENT would be the zygote's (or worker's) child, left as a zombie."""
 
 _CLONE_NAMESPACE_FLAGS = (
     0x00020000,  # CLONE_NEWNS
@@ -81,14 +111,24 @@ def _build(network: bool) -> bytes:
             filt.add_rule(deny, name)
         except (OSError, ValueError):
             continue  # a call this architecture does not have
-    for flag in _CLONE_NAMESPACE_FLAGS:
+    for flag in (*_CLONE_NAMESPACE_FLAGS, CLONE_PARENT):
         filt.add_rule(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    for name in OWN_PROCESS_ONLY:
+        filt.add_rule(deny, name, seccomp.Arg(0, seccomp.NE, 0))
+    for name, whole_user in (("setpriority", _PRIO_USER), ("ioprio_set", _IOPRIO_WHO_USER)):
+        filt.add_rule(deny, name, seccomp.Arg(1, seccomp.NE, 0))
+        filt.add_rule(deny, name, seccomp.Arg(0, seccomp.MASKED_EQ, _LOW_32, whole_user))
+    # kill(-1) signals every process the caller may signal, kill(-pgid) another process group
+    # (the zygote's spares, other calls): only the own group (pid 0) and single processes remain.
+    filt.add_rule(deny, "kill", seccomp.Arg(0, seccomp.MASKED_EQ, _SIGN_32, _SIGN_32))
     # clone3 passes its flags in memory that seccomp cannot inspect; ENOSYS makes libc fall back
     # to clone, whose flags are checked above.
     filt.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
     if not network:
-        # Covers UDP and raw sockets too, which Landlock's TCP rules do not.
-        filt.add_rule(deny, "socket", seccomp.Arg(0, seccomp.NE, socket.AF_UNIX))
+        # Every family: UDP and raw sockets, which Landlock's TCP rules do not cover, and named
+        # Unix sockets (a local database's), which no Landlock ABI up to 7 restricts. socketpair
+        # is a separate call and stays allowed (asyncio's self-pipe, subprocess plumbing).
+        filt.add_rule(deny, "socket")
     with tempfile.TemporaryFile() as out:
         filt.export_bpf(out)
         out.seek(0)

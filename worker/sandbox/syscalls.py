@@ -23,6 +23,9 @@ MS_NODEV = 0x4
 MS_NOEXEC = 0x8
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWUSER = 0x10000000
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -81,6 +84,26 @@ def mount(
 
     if _libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)) != 0:
         _raise_errno(f"mount {target}")
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
+
+
+def drop_capabilities() -> None:
+    """capset(2) to empty effective, permitted and inheritable sets; raises OSError on failure."""
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    if _libc.capset(ctypes.byref(header), data) != 0:
+        _raise_errno("capset")
 
 
 def syscall(number: int, *args: Any) -> int:

@@ -10,9 +10,11 @@ One zygote per worker process (each Celery pool child has its own), started by `
 at `worker_process_init` or lazily by the first isolated call. Calls from several threads run
 concurrently, each in a spare of its own with its own status socket.
 
-A zygote found dead is replaced at the next call; a call that finds it gone on the way runs in a
-direct fork of the worker, with a warning. If it cannot start, or dies again and again, the process
-keeps using direct forks (logged as an error once).
+A zygote found dead is replaced at the next call. A call that finds it gone, unable to start or
+unable to offer a spare child fails without running (`ZygoteUnavailable`, raised by `submit`):
+forking the worker instead would put the worker's secrets in the memory of a call whose handler
+may have brought the zygote down on purpose. A zygote that dies more than DEATHS_ALLOWED times
+within DEATH_WINDOW_SECONDS is not restarted until the window has passed (calls fail meanwhile).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import NoReturn
 
 from worker.registry import Registry
 from worker.sandbox.zygote_protocol import (
@@ -60,13 +63,19 @@ REAP_SECONDS = 5.0
 """Longest wait for the zygote to report a killed child's status."""
 DEATHS_ALLOWED = 3
 DEATH_WINDOW_SECONDS = 60.0
-"""More deaths than DEATHS_ALLOWED within the window disable the zygote for this process."""
+"""After more than DEATHS_ALLOWED deaths (or failed starts) within the window, no new zygote is
+started until the oldest of them is older than the window."""
 
 _log = logging.getLogger("toolchord.sandbox")
 
 
 class ZygoteToolError(Exception):
     """The zygote cannot load this tool; its calls use a direct fork of the worker."""
+
+
+class ZygoteUnavailable(Exception):
+    """The zygote is not running or was lost before the call reached a child: the call did not
+    run."""
 
 
 class _ZygoteLost(Exception):
@@ -318,7 +327,7 @@ class ZygoteClient:
         self._modules: set[str] = set(modules) | set(_configured_modules())
         self._connection: _Connection | None = None
         self._deaths: list[float] = []
-        self._disabled: str | None = None
+        self._paused_reason: str | None = None
         # The zygote's parent-death signal fires when the *thread* that started it ends, so it is
         # started from a thread that lives as long as this process.
         self._starter = ThreadPoolExecutor(
@@ -336,8 +345,12 @@ class ZygoteClient:
         return self._owner_pid == os.getpid()
 
     def ensure_started(self) -> bool:
-        """Start the zygote unless it runs; False when this process uses direct forks instead."""
-        return self._running() is not None
+        """Start the zygote unless it runs; False when it cannot run now (the reason is logged)."""
+        try:
+            self._running()
+        except ZygoteUnavailable:
+            return False
+        return True
 
     def add_modules(self, modules: Iterable[str]) -> None:
         """Tool modules to import in zygotes started from now on."""
@@ -346,53 +359,59 @@ class ZygoteClient:
 
     def submit(
         self, locator: ToolLocator, payload: bytes, child_fds: tuple[int, int, int]
-    ) -> ZygoteCall | None:
-        """Hand one call to a spare child of the zygote.
+    ) -> ZygoteCall:
+        """Hand one call to a spare child of the zygote and return the running call.
 
-        Returns the running call, or None when the zygote is unavailable or was lost before the
-        call reached a child (the caller then forks the worker directly). Raises ZygoteToolError
-        when the zygote cannot load the tool.
+        Raises ZygoteUnavailable when the zygote cannot run now or was lost before the call
+        reached a child (the call did not run; the next call starts a new zygote), and
+        ZygoteToolError when the zygote cannot load the tool.
         """
         connection = self._running()
-        if connection is None:
-            return None
         key = locator.model_dump_json().encode()
-        try:
-            generation = connection.loaded.get(key)
-            if generation is None:
-                generation = connection.load(locator, key)
-            spare = connection.take_spare(generation)
-        except _ZygoteLost as exc:
-            self.lost(connection, str(exc))
-            return None
         memfd = os.memfd_create("toolchord-call", os.MFD_CLOEXEC)
         try:
             _write_all(memfd, payload)
-            spare.call.sendmsg(
-                [key],
-                [
-                    (
-                        socket.SOL_SOCKET,
-                        socket.SCM_RIGHTS,
-                        array.array("i", [*child_fds, memfd]),
+            generation = connection.loaded.get(key)
+            if generation is None:
+                generation = connection.load(locator, key)
+            # A spare that died while waiting (killed by another call of the same user) refuses
+            # the call: the next one is tried, a fresh one is offered within REPLY_SECONDS.
+            for _ in range(SPARES + 1):
+                spare = connection.take_spare(generation)
+                try:
+                    spare.call.sendmsg(
+                        [key],
+                        [
+                            (
+                                socket.SOL_SOCKET,
+                                socket.SCM_RIGHTS,
+                                array.array("i", [*child_fds, memfd]),
+                            )
+                        ],
                     )
-                ],
-            )
-        except OSError as exc:
-            spare.close()
-            if not connection.alive():
-                self.lost(connection, "it ended before a call reached its child")
-            else:
-                _log.warning(
-                    "sandbox zygote spare child %d could not take a call (%s); this call runs in a direct fork of the worker",
-                    spare.pid,
-                    exc,
-                )
-            return None
+                except OSError as exc:
+                    spare.close()
+                    if not connection.alive():
+                        raise _ZygoteLost(
+                            "it ended before a call reached its child"
+                        ) from exc
+                    _log.warning(
+                        "sandbox zygote spare child %d could not take a call (%s); trying another",
+                        spare.pid,
+                        exc,
+                    )
+                    continue
+                finally:
+                    spare.call.close()
+                return ZygoteCall(self, connection, spare.status, spare.pid)
+            raise _ZygoteLost(f"{SPARES + 1} spare children in a row refused a call")
+        except _ZygoteLost as exc:
+            self.lost(connection, str(exc))
+            raise ZygoteUnavailable(
+                f"the sandbox zygote was lost before the call reached a child: {exc}"
+            ) from exc
         finally:
             os.close(memfd)
-            spare.call.close()
-        return ZygoteCall(self, connection, spare.status, spare.pid)
 
     def lost(self, connection: _Connection, reason: str) -> None:
         """Forget a zygote that died or stopped answering; the next call starts a new one."""
@@ -403,8 +422,7 @@ class ZygoteClient:
             self._deaths.append(time.monotonic())
         connection.kill()
         _log.warning(
-            "sandbox zygote (pid %d) lost: %s (%s); it is restarted on the next call, and this "
-            "call runs in a direct fork of the worker",
+            "sandbox zygote (pid %d) lost: %s (%s); it is restarted on the next call",
             connection.pid,
             reason,
             connection.describe_end(),
@@ -423,7 +441,8 @@ class ZygoteClient:
         if connection is not None:
             connection.abandon()
 
-    def _running(self) -> _Connection | None:
+    def _running(self) -> _Connection:
+        """The running zygote, started if need be; raises ZygoteUnavailable when it cannot run."""
         with self._lock:
             connection = self._connection
             if connection is not None and not connection.alive():
@@ -436,30 +455,35 @@ class ZygoteClient:
                 )
                 connection.kill()
                 connection = None
-            if connection is not None or self._disabled is not None:
+            if connection is not None:
                 return connection
             now = time.monotonic()
             self._deaths = [t for t in self._deaths if now - t < DEATH_WINDOW_SECONDS]
             if len(self._deaths) > DEATHS_ALLOWED:
-                self._disable(
-                    f"it died {len(self._deaths)} times within {DEATH_WINDOW_SECONDS:g} s"
+                resume = self._deaths[0] + DEATH_WINDOW_SECONDS - now
+                self._pause(
+                    f"it died or failed to start {len(self._deaths)} times within "
+                    f"{DEATH_WINDOW_SECONDS:g} s; next start in {resume:.0f} s"
                 )
-                return None
             try:
                 connection = self._starter.submit(self._start).result()
             except (OSError, ValueError, RuntimeError) as exc:
-                self._disable(f"it could not start: {type(exc).__name__}: {exc}")
-                return None
+                self._deaths.append(time.monotonic())
+                self._pause(f"it could not start: {type(exc).__name__}: {exc}")
+            self._paused_reason = None
             self._connection = connection
             return connection
 
-    def _disable(self, reason: str) -> None:
-        self._disabled = reason
-        _log.error(
-            "sandbox zygote disabled in this worker process (%s): every isolated call now runs "
-            "in a direct fork of the worker, whose memory holds the worker's secrets",
-            reason,
-        )
+    def _pause(self, reason: str) -> NoReturn:
+        """Refuse the call: isolated calls fail (never fork the worker) until a zygote runs."""
+        if self._paused_reason is None:
+            _log.error(
+                "sandbox zygote unavailable in this worker process (%s): isolated calls fail "
+                "until it runs again",
+                reason,
+            )
+        self._paused_reason = reason
+        raise ZygoteUnavailable(f"the sandbox zygote is unavailable: {reason}")
 
     def _start(self) -> _Connection:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -488,6 +512,9 @@ class ZygoteClient:
             parent_pid=os.getpid(),
             modules=sorted(self._modules),
             spares=SPARES,
+            # Calls of an unprivileged worker keep its uid: only a namespace of their own keeps
+            # them from signalling the zygote and the worker where Landlock cannot scope signals.
+            pid_namespace=os.geteuid() != 0,
         )
         connection = _Connection(process, ours, process.pid)
         try:
@@ -506,6 +533,15 @@ class ZygoteClient:
             connection.kill()
             raise
         connection.expect_spares(SPARES)
+        # In a pid namespace the serving zygote is a child of the process started here.
+        connection.pid = ready.pid
+        if ready.pid_namespace is not None:
+            _log.warning(
+                "sandbox zygote serves without a pid namespace of its own (%s): where Landlock "
+                "cannot scope signals (ABI < 6), calls of this unprivileged worker can signal "
+                "the zygote and the worker",
+                ready.pid_namespace,
+            )
         for module, error in ready.failed_modules.items():
             _log.warning(
                 "tool module %s cannot be imported in the sandbox zygote (%s); its tools run in "
@@ -513,7 +549,12 @@ class ZygoteClient:
                 module,
                 error,
             )
-        _log.info("sandbox zygote started (pid %d)", ready.pid)
+        in_namespace = init.pid_namespace and ready.pid_namespace is None
+        _log.info(
+            "sandbox zygote started (pid %d%s)",
+            ready.pid,
+            ", in a pid namespace of its own" if in_namespace else "",
+        )
         return connection
 
 
@@ -625,8 +666,7 @@ def start_zygote(modules: Iterable[str] = (), *, wait: bool = True) -> int | Non
     hundred milliseconds, more with heavy tool modules). With `wait=False` it starts in the
     background and returns None at once (calls made meanwhile wait for it): a pool child must
     report to Celery within `worker_proc_alive_timeout`. Otherwise returns the zygote's pid, or
-    None when it is disabled or could not start (calls then use direct forks; the reason is
-    logged).
+    None when it could not start (isolated calls then fail until it can; the reason is logged).
     """
     if not zygote_enabled():
         return None

@@ -41,12 +41,20 @@ class ZygoteInit(BaseModel):
     spares: int = Field(
         description="Spare children to fork and offer right after start."
     )
+    pid_namespace: bool = Field(
+        default=False,
+        description="Serve from a pid namespace of its own (with a user namespace when not root).",
+    )
 
 
 class ZygoteReady(BaseModel):
     """The zygote's answer to `ZygoteInit`."""
 
-    pid: int
+    pid: int = Field(description="The serving process, as the worker numbers it.")
+    pid_namespace: str | None = Field(
+        default=None,
+        description="Why the zygote serves without the pid namespace it was asked for, if so.",
+    )
     failed_modules: dict[str, str] = Field(
         default_factory=dict, description="Module name -> why it could not be imported."
     )
@@ -70,7 +78,7 @@ class ZygoteRequest(BaseModel):
 class SpareOffer(BaseModel):
     """A spare child waiting for its call; `generation` tells which loads it has seen."""
 
-    pid: int
+    pid: int = Field(description="The spare, as the worker numbers it (its process group id).")
     generation: int
 
 

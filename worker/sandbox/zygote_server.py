@@ -13,6 +13,12 @@ requests and child exits (pidfds) are handled as they come; the worker keeps sev
 concurrent calls from several worker threads run side by side. The zygote dies with the worker
 (parent-death signal, and end of file on the control socket), and its children die with it
 (parent-death signal from their start, set again after their uid change, which clears it).
+
+An unprivileged worker's calls keep its uid, so without Landlock's signal scoping (ABI 6) they
+could signal the zygote and the worker. Such a zygote serves from a pid namespace of its own (in
+a user namespace of its own, which mapping only the worker's uid grants nothing): it is that
+namespace's init, which its children cannot kill, and the worker and everything else outside are
+invisible to them. The process the worker started stays outside as a keeper that waits for it.
 """
 
 from __future__ import annotations
@@ -37,7 +43,14 @@ from worker.sandbox.child import SETUP_FAILED_STATUS, ChildPlan, child_main, reh
 from worker.sandbox.import_paths import ImportRoot, private_import_roots
 from worker.sandbox.profile import SandboxProfile
 from worker.sandbox.read_paths import code_read_paths
-from worker.sandbox.syscalls import PR_SET_PDEATHSIG, prctl
+from worker.sandbox.syscalls import (
+    CLONE_NEWPID,
+    CLONE_NEWUSER,
+    PR_SET_PDEATHSIG,
+    drop_capabilities,
+    prctl,
+    unshare,
+)
 from worker.sandbox.zygote_protocol import (
     CALL_FD_COUNT,
     MAX_MESSAGE_BYTES,
@@ -79,6 +92,8 @@ def serve(sock: socket.socket, raw_init: bytes) -> NoReturn:
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != init.parent_pid:
         os._exit(0)
+    namespace_error = _enter_pid_namespace(sock) if init.pid_namespace else None
+    in_namespace = init.pid_namespace and namespace_error is None
     failed: dict[str, str] = {}
     for name in init.modules:
         try:
@@ -87,19 +102,111 @@ def serve(sock: socket.socket, raw_init: bytes) -> NoReturn:
             failed[name] = f"{type(exc).__name__}: {exc}"
     # Objects that exist now are never collected: children then do not touch (and copy) them.
     gc.freeze()
-    zygote = _Zygote(sock)
-    sock.send(
-        ZygoteReady(pid=os.getpid(), failed_modules=failed).model_dump_json().encode()
+    zygote = _Zygote(sock, in_namespace)
+    ready = ZygoteReady(
+        pid=_outer_pid() if in_namespace else os.getpid(),
+        pid_namespace=namespace_error,
+        failed_modules=failed,
     )
+    sock.send(ready.model_dump_json().encode())
     zygote.fork_spares(init.spares)
     zygote.loop()
 
 
+def _enter_pid_namespace(sock: socket.socket) -> str | None:
+    """Continue in a pid namespace of its own, as its init; None, or why it was not possible.
+
+    The calling process stays outside as the keeper: it waits for the new one and ends the same
+    way, so the worker's view of its zygote process does not change. The new process is killed
+    with the keeper (parent-death signal), and the namespace's other processes with it.
+    """
+    user_namespace = os.geteuid() != 0
+    # Tried first in a throwaway child: a namespace that cannot be completed (the id maps refused)
+    # cannot be left again, while a zygote without one can still serve.
+    failure = _in_throwaway_child(lambda: _unshare_pid_namespace(user_namespace))
+    if failure is not None:
+        return failure
+    _unshare_pid_namespace(user_namespace)
+    keeper_alive, keeper_end = os.pipe()
+    pid = os.fork()
+    if pid:
+        sock.close()
+        os.close(keeper_alive)
+        _keep(pid)
+    os.close(keeper_end)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if select.select([keeper_alive], [], [], 0)[0]:
+        os._exit(0)  # the keeper is gone already: end of file on its pipe
+    os.close(keeper_alive)
+    if user_namespace:
+        # The creator of a user namespace holds every capability in it; the zygote needs none.
+        drop_capabilities()
+    # As init, the zygote receives from inside its namespace only signals it handles: keep none.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return None
+
+
+def _unshare_pid_namespace(user_namespace: bool) -> None:
+    """New pid namespace for the next child, inside a new user namespace when not root."""
+    uid, gid = os.getuid(), os.getgid()
+    unshare(CLONE_NEWPID | (CLONE_NEWUSER if user_namespace else 0))
+    if user_namespace:
+        # Only the worker's own ids: the namespace grants nothing the worker did not have.
+        for name, text in (
+            ("setgroups", "deny"),
+            ("uid_map", f"{uid} {uid} 1"),
+            ("gid_map", f"{gid} {gid} 1"),
+        ):
+            with open(f"/proc/self/{name}", "w") as control:
+                control.write(text)
+
+
+def _in_throwaway_child(action: Callable[[], None]) -> str | None:
+    """Run `action` in a forked child; None if it worked, else what it raised."""
+    report_r, report_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            action()
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            os.write(report_w, f"{type(exc).__name__}: {exc}".encode()[:4096])
+        os._exit(0)
+    os.close(report_w)
+    report = os.read(report_r, 4096)
+    os.close(report_r)
+    os.waitpid(pid, 0)
+    return report.decode("utf-8", "replace") or None
+
+
+def _keep(pid: int) -> NoReturn:
+    """In the keeper: wait for the zygote in the namespace and end as it ended."""
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def _outer_pid() -> int:
+    """This process's pid as the worker numbers it (/proc belongs to the worker's namespace)."""
+    return int(os.readlink("/proc/self"))
+
+
 class _Zygote:
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, in_namespace: bool = False) -> None:
         self.sock = sock
+        self.in_namespace = in_namespace
         self.selector = selectors.DefaultSelector()
         self.selector.register(sock, selectors.EVENT_READ, None)
+        self.orphans_r = -1
+        if in_namespace:
+            # Orphans of the namespace become the zygote's children: SIGCHLD (through a wakeup
+            # pipe, so the loop sees it) gets them reaped as they end. Children reset both.
+            self.orphans_r, orphans_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            signal.signal(signal.SIGCHLD, lambda _signum, _frame: None)
+            signal.set_wakeup_fd(orphans_w, warn_on_full_buffer=False)
+            self.selector.register(self.orphans_r, selectors.EVENT_READ, self.orphans_r)
         self.children: dict[int, _Child] = {}
         self.specs: dict[bytes, ToolSpec] = {}
 
@@ -108,6 +215,9 @@ class _Zygote:
             for key, _events in self.selector.select():
                 if key.data is None:
                     self._receive()
+                elif key.data == self.orphans_r:
+                    self._drain(self.orphans_r)
+                    self._reap_orphans()
                 else:
                     self._finish(key.data)
 
@@ -178,6 +288,7 @@ class _Zygote:
         roots = private_import_roots()
         zygote_pid = os.getpid()
         generation = len(sys.modules)
+        numbered_r, numbered_w = os.pipe2(os.O_CLOEXEC)
         try:
             pid = os.fork()
             if pid == 0:
@@ -185,8 +296,15 @@ class _Zygote:
                 # its call socket when the worker lets it go.
                 for sock in (call_ours, status_ours, status_theirs):
                     sock.close()
+                os.close(numbered_r)
+                if self.in_namespace:
+                    os.write(numbered_w, str(_outer_pid()).encode())
+                os.close(numbered_w)
                 _spare_main(call_theirs, self.resolve, read_paths, roots, zygote_pid)
             call_theirs.close()
+            os.close(numbered_w)
+            numbered_w = -1
+            outer = os.read(numbered_r, 32) if self.in_namespace else b""
             try:
                 pidfd = os.pidfd_open(pid)
             except OSError:
@@ -197,8 +315,12 @@ class _Zygote:
             child = _Child(pid, pidfd, status_ours)
             self.children[pid] = child
             self.selector.register(pidfd, selectors.EVENT_READ, child)
+            if self.in_namespace and not outer:
+                raise OSError(f"spare child {pid} ended before it could be offered")
             offer = (
-                SpareOffer(pid=pid, generation=generation).model_dump_json().encode()
+                SpareOffer(pid=int(outer or pid), generation=generation)
+                .model_dump_json()
+                .encode()
             )
             fds = array.array("i", [call_ours.fileno(), status_theirs.fileno()])
             self.sock.sendmsg([offer], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
@@ -209,6 +331,9 @@ class _Zygote:
             call_ours.close()
             status_theirs.close()
             call_theirs.close()
+            os.close(numbered_r)
+            if numbered_w >= 0:
+                os.close(numbered_w)
 
     def _finish(self, child: _Child) -> None:
         """A child exited: kill what is left of its group while the zombie still holds the group
@@ -218,8 +343,30 @@ class _Zygote:
         del self.children[child.pid]
         _kill_group(child.pid)
         _, wait_status = os.waitpid(child.pid, 0)
+        if self.in_namespace:
+            self._reap_orphans()
         _send(child.status, ZygoteReply(status=wait_status).model_dump_json().encode())
         child.status.close()
+
+    @staticmethod
+    def _drain(fd: int) -> None:
+        try:
+            while os.read(fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _reap_orphans(self) -> None:
+        """As init, the zygote inherits the orphans of its namespace (a call's grandchildren,
+        killed with its group): reap those, never a spare or call it watches on a pidfd."""
+        while True:
+            try:
+                found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return
+            if found is None or found.si_pid in self.children:
+                return
+            os.waitpid(found.si_pid, 0)
 
     def _shut_down(self) -> NoReturn:
         """The worker closed the control socket (or died): nothing may outlive it."""
