@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 from worker.context import ToolContext
 from worker.execution import HandlerOutcome, ToolOutput, call_handler
 from worker.models import ErrorCode, Risk, SideEffect, ToolCall, ToolError, ToolResult, Truncation
-from worker.redis_clients import redis_client
 from worker.registry import PROVIDERS, DuplicateToolError, Provider, Registry, declaration
 from worker.sandbox.profile import SandboxProfile
 from worker.tools import ToolSpec, tool
@@ -16,6 +15,7 @@ if TYPE_CHECKING:
     from celery import Celery
 
     from worker.celery_app import create_app
+    from worker.redis_clients import redis_client
 
     app: Celery
 
@@ -27,6 +27,11 @@ def __getattr__(name: str) -> Any:
         from worker import celery_app
 
         return getattr(celery_app, name)
+    if name == "redis_client":
+        # Lazy too: the sandbox zygote imports `worker` and has no use for redis-py.
+        from worker.redis_clients import redis_client
+
+        return redis_client
     raise AttributeError(f"module 'worker' has no attribute {name!r}")
 
 __all__ = [
