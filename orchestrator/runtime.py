@@ -40,10 +40,13 @@ _SOFT_LIMIT_SLACK = 5.0
 _HARD_LIMIT_SLACK = 10.0
 # How long one wait for a turn's result lasts before the turn looks at its cancel state again.
 _CANCEL_POLL = 0.25
-# How often a waiting turn reads its cancel flag in Redis. Cancels made here, and cancels that
-# other processes announce on the cancel channel, are seen at the next wait slice without it; the
-# read covers an announcement lost to a reconnect. One EXISTS per waiting turn per second adds up
-# at a thousand waiting turns.
+# How often a waiting turn reads its cancel flag in Redis and looks for its calls' stored results.
+# Cancels made here, and cancels that other processes announce on the cancel channel, are seen at
+# the next wait slice without it; the read covers an announcement lost to a reconnect. The stored
+# results cover a chord callback that is never sent: a worker killed after taking Celery's
+# callback-dispatch claim (a Redis key that outlives the broker's redelivery of its task) leaves
+# the chord complete with nobody to send the callback. One round trip per waiting turn per second
+# adds up at a thousand waiting turns.
 _REMOTE_CANCEL_POLL = 5.0
 
 
@@ -431,7 +434,10 @@ class Orchestrator:
                         return self._finish(record, value, "")
                     self._callback_failed(record, async_result.status)
                     callback_failed = True
-            if (reason := self._stop_reason(record, remote_check.due())) is not None:
+            ask_redis = remote_check.due()
+            if ask_redis and not callback_failed and self._all_stored(record):
+                return self._finish(record, None, "")
+            if (reason := self._stop_reason(record, ask_redis)) is not None:
                 return self._finish(record, None, reason)
 
     def run_turn(
@@ -477,7 +483,10 @@ class Orchestrator:
                         return self._finish(record, meta.get("result"), "")
                     self._callback_failed(record, meta.get("status"))
                     callback_failed = True
-            if (reason := self._stop_reason(record, remote_check.due())) is not None:
+            ask_redis = remote_check.due()
+            if ask_redis and not callback_failed and self._all_stored(record):
+                return self._finish(record, None, "")
+            if (reason := self._stop_reason(record, ask_redis)) is not None:
                 return self._finish(record, None, reason)
 
     async def arun_turn(

@@ -143,3 +143,30 @@ def test_spilled_output_is_readable_only_in_its_session(start_worker, redis_url,
     theirs = orch.run_calls("s-other", [call(0, "read_output", ref=ref)]).results[0]
     assert theirs.status == "error" and "w499" not in theirs.content
     assert "no stored output" in theirs.content
+
+
+def test_turn_finishes_from_the_store_when_the_chord_callback_is_never_sent(start_worker, redis_url):
+    # A worker SIGKILLed right after taking Celery's callback-dispatch claim (a Redis key that
+    # outlives the broker's redelivery) leaves a complete chord that nobody sends the callback
+    # of. Emulated here: another "worker" holds the claim before the calls finish.
+    start_worker(TOOLS, concurrency=2)
+    orch = orchestrator(redis_url, turn_timeout=60)
+    client = redis.Redis.from_url(redis_url)
+    calls = [call(0, "effect_read", key="k-cb-r", seconds=2), call(1, "effect_unsafe", key="k-cb-u", seconds=2)]
+    started = time.monotonic()
+    thread, box = run_in_thread(orch.run_calls, "s-lost-callback", calls)
+
+    def chord_size_keys() -> list[bytes]:
+        return list(client.scan_iter("celery-taskset-meta-*.s"))
+
+    wait_for(lambda: bool(chord_size_keys()), 20, "the chord to be registered")
+    claim = chord_size_keys()[0][: -len(b".s")] + b".c"
+    client.set(claim, "a-worker-that-died", ex=600)
+    thread.join(50)
+    assert not thread.is_alive(), "the turn waited for a callback that never comes"
+    elapsed = time.monotonic() - started
+    turn = box["value"]
+    assert [(r.status, r.content) for r in turn.results] == [("ok", "1"), ("ok", "1")], turn.results
+    # Found in the store within a poll or two of the calls' end, not at the 60 s deadline.
+    assert elapsed < 30, elapsed
+    assert effects(client, "k-cb-r") == 1 and effects(client, "k-cb-u") == 1

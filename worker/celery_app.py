@@ -90,6 +90,9 @@ def _broker_config(settings: Settings) -> dict[str, Any]:
             # by default); sweep a few times per visibility timeout so redelivery follows it.
             "unacked_restore_interval": max(1, settings.visibility_timeout // 4),
             "unacked_restore_throttle": 1,
+            # The sweep holds a Redis lock (300 s by default): a worker killed mid-sweep would
+            # stop every redelivery until it lapses. A sweep takes milliseconds.
+            "unacked_mutex_expire": min(300, max(5, settings.visibility_timeout // 2)),
         }
         if is_sentinel_url(settings.broker_url):
             transport["master_name"] = settings.redis_master_name
