@@ -14,11 +14,10 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 from pydantic import BaseModel, Field
 
 from orchestrator.approval_store import Approval
-from orchestrator.approvals import SessionWaiting, decided_event
+from orchestrator.approvals import SessionWaiting, decided_event, turns_awaiting
 from orchestrator.eventlog import (
     ApprovalDecided,
     ApprovalRequested,
-    Event,
     EventLog,
     ModelFailed,
     ModelRequest,
@@ -29,7 +28,6 @@ from orchestrator.eventlog import (
     open_event_log,
     tools_digest,
 )
-from orchestrator.history_repair import History
 from orchestrator.model_clients import (
     ModelClient,
     ModelError,
@@ -67,13 +65,6 @@ class AgentResult(BaseModel):
     stop_reason: Literal["final", "max_steps", "waiting_approval"]
     steps: list[AgentStep]
     awaiting_approval: list[Approval] = Field(default_factory=list)
-
-
-def _turns_awaiting(events: list[Event]) -> list[str]:
-    """Turns of the log with calls that were held for a decision and have no result yet."""
-    requested = {(e.turn_id, e.call_id) for e in events if isinstance(e, ApprovalRequested)}
-    return [turn.turn_id for turn in History.from_events(events).turns
-            if any((turn.turn_id, call.id) in requested for call in turn.missing())]
 
 
 class Agent:
@@ -127,7 +118,7 @@ class Agent:
         session_id = session_id or uuid.uuid4().hex
         recorder = SessionRecorder(self.log, session_id, self.registry)
         events = self.log.read(session_id)
-        if _turns_awaiting(events):
+        if turns_awaiting(events):
             raise SessionWaiting(f"session {session_id} has calls waiting for a decision: decide them, then resume it")
         declared = declarations_from_registry(self.registry)
         digest = tools_digest(declared)
@@ -224,7 +215,7 @@ class Agent:
         recorder = SessionRecorder(self.log, session_id, self.registry)
         events = self.log.read(session_id)
         logged = {e.call_id for e in events if isinstance(e, ApprovalDecided)}
-        for turn_id in _turns_awaiting(events):
+        for turn_id in turns_awaiting(events):
             settlement = self.orchestrator.approvals.settle(session_id, turn_id)
             if settlement.waiting:
                 return AgentResult(session_id=session_id, text="", stop_reason="waiting_approval", steps=[],

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, Field
 
 from orchestrator.approval_store import Approval, ApprovalStore, Decision
-from orchestrator.eventlog import ApprovalDecided, EventLog, stored_call
+from orchestrator.eventlog import ApprovalDecided, ApprovalRequested, Event, EventLog, stored_call
+from orchestrator.history_repair import History
 from orchestrator.turn import DispatchedCall, TurnRecord
 from worker import errors
 from worker.models import ToolResult
@@ -57,6 +58,13 @@ def needs_approval(spec: ToolSpec, arguments: dict[str, object]) -> bool:
     except Exception:  # noqa: BLE001 - fail closed: a broken policy must not let the call run
         log.exception("approval policy of %s failed; the call waits for a decision", spec.name)
         return True
+
+
+def turns_awaiting(events: list[Event]) -> list[str]:
+    """Turns of a session log with calls that were held for a decision and have no result yet."""
+    requested = {(e.turn_id, e.call_id) for e in events if isinstance(e, ApprovalRequested)}
+    return [turn.turn_id for turn in History.from_events(events).turns
+            if any((turn.turn_id, call.id) in requested for call in turn.missing())]
 
 
 class Settlement(BaseModel):
@@ -221,4 +229,4 @@ def decided_event(approval: Approval) -> ApprovalDecided:
 
 
 __all__ = ["ApprovalDesk", "Settlement", "SessionWaiting", "UnknownApproval", "decided_event", "decision_result",
-           "needs_approval"]
+           "needs_approval", "turns_awaiting"]

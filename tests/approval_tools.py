@@ -1,0 +1,29 @@
+"""The test cluster's tools (tests/celery_tools.py) as an orchestrator with approval policies sees them.
+
+Workers load `tests.celery_tools` unchanged: the approval policy is the orchestrator's business.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator import Orchestrator
+from orchestrator.eventlog import RedisEventLog
+from tests.cluster_helpers import TOOLS, settings_for
+from worker import Registry
+from worker.celery_app import create_app
+
+HELD = {"effect_unsafe": "always", "charge": "always"}
+
+
+def approval_registry(**policy: Any) -> Registry:
+    """The test tools, with `effect_unsafe` and `charge` held for approval."""
+    base = Registry.from_modules([TOOLS])
+    return Registry([spec.model_copy(update={"approval": HELD[spec.name], **policy}) if spec.name in HELD else spec
+                     for spec in base])
+
+
+def approval_orchestrator(url: str, **policy: Any) -> Orchestrator:
+    """An orchestrator on the test cluster whose decisions go to the session logs in Redis."""
+    registry = approval_registry(**policy)
+    return Orchestrator(registry, create_app(settings_for(url), registry), event_log=RedisEventLog(url))
