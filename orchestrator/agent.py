@@ -118,7 +118,7 @@ class Agent:
         session_id = session_id or uuid.uuid4().hex
         recorder = SessionRecorder(self.log, session_id, self.registry)
         events = self.log.read(session_id)
-        if turns_awaiting(events):
+        if turns_awaiting(events, self.orchestrator.approvals.store, session_id):
             raise SessionWaiting(f"session {session_id} has calls waiting for a decision: decide them, then resume it")
         declared = declarations_from_registry(self.registry)
         digest = tools_digest(declared)
@@ -215,16 +215,18 @@ class Agent:
         recorder = SessionRecorder(self.log, session_id, self.registry)
         events = self.log.read(session_id)
         logged = {e.call_id for e in events if isinstance(e, ApprovalDecided)}
-        for turn_id in turns_awaiting(events):
+        for turn_id, held in turns_awaiting(events, self.orchestrator.approvals.store, session_id).items():
             settlement = self.orchestrator.approvals.settle(session_id, turn_id)
             if settlement.waiting:
                 return AgentResult(session_id=session_id, text="", stop_reason="waiting_approval", steps=[],
                                    awaiting_approval=settlement.waiting)
+            # Only what the log lacks: a resume that crashed half way is simply resumed again.
             for approval in settlement.decided:
                 if approval.call.id not in logged:
                     recorder.append(decided_event(approval))
             for result in settlement.results:
-                recorder.result(turn_id, result)
+                if result.call_id in held:
+                    recorder.result(turn_id, result)
         return self._loop(recorder)
 
     async def arun(self, prompt: str, *, session_id: str | None = None) -> AgentResult:

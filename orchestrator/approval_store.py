@@ -148,13 +148,13 @@ class RedisApprovalStore:
             )
 
     def _read(self, session_id: str, call_id: str) -> Approval | None:
-        raw = {_text(k): _text(v) for k, v in self.redis.hgetall(self._key(session_id, call_id)).items()}
-        if "request" not in raw:
+        raw = {_text(k) or "": _text(v) or "" for k, v in self.redis.hgetall(self._key(session_id, call_id)).items()}
+        if not raw.get("request"):
             return None
         at = raw.get("at")
         return Approval.model_validate_json(raw["request"]).model_copy(update={
             "state": raw["state"],
-            "decided_by": raw.get("by"),
+            "decided_by": raw.get("by") or None,
             "decided_at": float(at) if at else None,
             "note": raw.get("note") or None,
             "dispatched": raw.get("dispatched") == "1",
@@ -171,7 +171,8 @@ class RedisApprovalStore:
 
     def pending(self, session_id: str | None = None) -> list[Approval]:
         out = []
-        for member in self.redis.zrange(PENDING_INDEX, 0, -1):
+        members: list[bytes] = self.redis.zrange(PENDING_INDEX, 0, -1)  # type: ignore[assignment]
+        for member in members:
             member_session, call_id = json.loads(_text(member) or "[]")
             if session_id is not None and member_session != session_id:
                 continue

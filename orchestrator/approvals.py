@@ -55,16 +55,28 @@ def needs_approval(spec: ToolSpec, arguments: dict[str, object]) -> bool:
         return True
     try:
         return bool(policy(dict(arguments)))  # type: ignore[operator]
-    except Exception:  # noqa: BLE001 - fail closed: a broken policy must not let the call run
+    except Exception:
         log.exception("approval policy of %s failed; the call waits for a decision", spec.name)
         return True
 
 
-def turns_awaiting(events: list[Event]) -> list[str]:
-    """Turns of a session log with calls that were held for a decision and have no result yet."""
+def turns_awaiting(events: list[Event], store: ApprovalStore | None = None,
+                   session_id: str = "") -> dict[str, set[str]]:
+    """Turns of a session log with calls that were held for a decision and have no result yet, and
+    those calls' ids. The log's `approval_requested` events say which; with `store`, so do its records
+    (a process that crashed before logging the request leaves only those)."""
     requested = {(e.turn_id, e.call_id) for e in events if isinstance(e, ApprovalRequested)}
-    return [turn.turn_id for turn in History.from_events(events).turns
-            if any((turn.turn_id, call.id) in requested for call in turn.missing())]
+    out: dict[str, set[str]] = {}
+    for turn in History.from_events(events).turns:
+        missing = {call.id for call in turn.missing()}
+        if not missing:
+            continue
+        held = {call_id for call_id in missing if (turn.turn_id, call_id) in requested}
+        if store is not None:
+            held |= {a.call.id for a in store.for_turn(session_id, turn.turn_id)} & missing
+        if held:
+            out[turn.turn_id] = held
+    return out
 
 
 class Settlement(BaseModel):
@@ -213,7 +225,11 @@ class ApprovalDesk:
                 dc = DispatchedCall(call=approval.call, arguments={}, key=approval.key, task_id=approval.task_id,
                                     side_effect=approval.side_effect)
                 reason = f"the approved call's {approval.run_window:g} s run window passed"
-                found[approval.call.id] = self.orch._unfinished(record, dc, reason)
+                stand_in = self.orch._unfinished(record, dc, reason)
+                # A result stored just before the cancel flag went up is the truth, not the stand-in.
+                raw = store.result(approval.key)
+                found[approval.call.id] = (stand_in if raw is None else ToolResult.model_validate_json(raw)
+                                           .model_copy(update={"call_id": approval.call.id}))
             if len(found) == len(approved):
                 return found
             time.sleep(_RESULT_POLL)
@@ -228,5 +244,13 @@ def decided_event(approval: Approval) -> ApprovalDecided:
                            by=approval.decided_by, note=approval.note, decided_at=approval.decided_at)
 
 
-__all__ = ["ApprovalDesk", "Settlement", "SessionWaiting", "UnknownApproval", "decided_event", "decision_result",
-           "needs_approval", "turns_awaiting"]
+__all__ = [
+    "ApprovalDesk",
+    "SessionWaiting",
+    "Settlement",
+    "UnknownApproval",
+    "decided_event",
+    "decision_result",
+    "needs_approval",
+    "turns_awaiting",
+]

@@ -153,7 +153,8 @@ def _print_approvals(events: list[Any]) -> None:
         elif isinstance(event, ApprovalDecided):
             when = datetime.fromtimestamp(event.decided_at, UTC).isoformat(timespec="seconds")
             note = f": {event.note}" if event.note else ""
-            print(f"--- approval {event.decision}: call {event.call_id} ({event.tool}) by {event.by} at {when}{note} ---")
+            print(f"--- approval {event.decision}: call {event.call_id} ({event.tool}) by {event.by} "
+                  f"at {when}{note} ---")
 
 
 def _approvals(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ Workers load `tests.celery_tools` unchanged: the approval policy is the orchestr
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from orchestrator import Orchestrator
 from orchestrator.eventlog import RedisEventLog
@@ -16,14 +16,20 @@ from worker.celery_app import create_app
 HELD = {"effect_unsafe": "always", "charge": "always"}
 
 
-def approval_registry(**policy: Any) -> Registry:
-    """The test tools, with `effect_unsafe` and `charge` held for approval."""
+def approval_registry(timeouts: Mapping[str, float] | None = None) -> Registry:
+    """The test tools, with `effect_unsafe` and `charge` held for approval (`timeouts`: approval
+    timeouts by tool name)."""
+    timeouts = timeouts or {}
     base = Registry.from_modules([TOOLS])
-    return Registry([spec.model_copy(update={"approval": HELD[spec.name], **policy}) if spec.name in HELD else spec
-                     for spec in base])
+    return Registry([
+        spec.model_copy(update={"approval": HELD[spec.name],
+                                "approval_timeout": timeouts.get(spec.name, spec.approval_timeout)})
+        if spec.name in HELD else spec
+        for spec in base
+    ])
 
 
-def approval_orchestrator(url: str, **policy: Any) -> Orchestrator:
+def approval_orchestrator(url: str, timeouts: Mapping[str, float] | None = None) -> Orchestrator:
     """An orchestrator on the test cluster whose decisions go to the session logs in Redis."""
-    registry = approval_registry(**policy)
+    registry = approval_registry(timeouts)
     return Orchestrator(registry, create_app(settings_for(url), registry), event_log=RedisEventLog(url))

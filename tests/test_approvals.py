@@ -153,7 +153,7 @@ def test_an_undecided_call_expires_into_a_result(tmp_path: Path) -> None:
 
 def test_the_documented_example_runs_as_written(tmp_path: Path) -> None:
     text = (ROOT / "docs" / "approvals.md").read_text()
-    code = re.search(r"```python\n(.*?)```", text, re.S)
+    code = re.search(r"```python\n(.*?)```", text, re.DOTALL)
     assert code is not None
     script = tmp_path / "example.py"
     script.write_text(code.group(1))

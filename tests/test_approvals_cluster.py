@@ -91,9 +91,10 @@ def test_approved_from_another_process_after_the_first_exited(start_worker, redi
 def test_deny_and_expiry_end_in_results_without_effects(start_worker, redis_url, clean_redis):
     start_worker(TOOLS)
     orch = approval_orchestrator(redis_url)
-    quick = approval_orchestrator(redis_url, approval_timeout=0.5)  # charge waits half a second at most
-    turn = quick.run_calls("s-deny", [call(0, "effect_unsafe", key="denied"), call(1, "charge", order_id="o-1",
-                                                                                    cents=5), call(2, "echo", text="x")])
+    quick = approval_orchestrator(redis_url, {"charge": 0.5})  # charge waits half a second at most
+    calls = [call(0, "effect_unsafe", key="denied"), call(1, "charge", order_id="o-1", cents=5),
+             call(2, "echo", text="x")]
+    turn = quick.run_calls("s-deny", calls)
     assert turn.waiting and [r.content for r in turn.results] == ["x"]
     assert orch.deny("s-deny", "call_0", by="bob", note="too risky").state == "DENIED"
     assert orch.approve("s-deny", "call_0", by="alice").state == "DENIED"
@@ -104,7 +105,8 @@ def test_deny_and_expiry_end_in_results_without_effects(start_worker, redis_url,
     assert denied.error.code == ErrorCode.PERMISSION_DENIED and "bob denied it: too risky" in denied.content
     assert expired.error.code == ErrorCode.NOT_EXECUTED
     assert effects(clean_redis, "denied") == 0 and clean_redis.get("tc-test:charges:o-1") is None
-    assert [(d.decision, d.by) for d in _decisions(redis_url, "s-deny")] == [("denied", "bob"), ("expired", "toolchord")]
+    decisions = [(d.decision, d.by) for d in _decisions(redis_url, "s-deny")]
+    assert decisions == [("denied", "bob"), ("expired", "toolchord")]
 
 
 def test_racing_approvers_run_the_call_once(start_worker, redis_url, clean_redis):
