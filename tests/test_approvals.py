@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 import sys
@@ -149,6 +150,28 @@ def test_an_undecided_call_expires_into_a_result(tmp_path: Path) -> None:
     result = next(e for e in JsonlEventLog(tmp_path).read("late") if e.type == "call_result").result
     assert result.error is not None and result.error.code == ErrorCode.NOT_EXECUTED
     assert "nobody approved it within 0.2 s" in result.content
+
+
+def test_a_session_pauses_and_resumes_many_times_and_its_log_only_grows(
+        tmp_path: Path, orchestrators: dict[str, Orchestrator]) -> None:
+    log = JsonlEventLog(tmp_path)
+    orch = orchestrators["held"]
+    big = [ScriptedTurn(calls=[ScriptedCall(name="refund", arguments={"order_id": f"o{i}", "cents": 2000})])
+           for i in range(3)]
+    with ScriptedModelServer([*big, ScriptedTurn(text="All refunded.")]) as server:
+        agent = _agent(HELD, orch, server, log)
+        result = asyncio.run(agent.arun("refund three", session_id="many"))  # the async loop holds calls too
+        seen = log.read("many")
+        for _ in range(3):
+            assert result.stop_reason == "waiting_approval"
+            orch.approve("many", result.awaiting_approval[0].call.id, by="carol")
+            result = agent.resume("many")
+            now = log.read("many")
+            assert now[: len(seen)] == seen
+            seen = now
+    assert result.stop_reason == "final" and result.text == "All refunded."
+    assert len(server.requests) == 4
+    assert [e.by for e in seen if isinstance(e, ApprovalDecided)] == ["carol"] * 3
 
 
 def test_the_documented_example_runs_as_written(tmp_path: Path) -> None:
