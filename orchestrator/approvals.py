@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, Field
 
 from orchestrator.approval_store import Approval, ApprovalStore, Decision
-from orchestrator.eventlog import ApprovalDecided, ApprovalRequested, Event, EventLog, stored_call
+from orchestrator.eventlog import (
+    ApprovalDecided,
+    ApprovalRequested,
+    Event,
+    EventLog,
+    JsonlEventLog,
+    RedisEventLog,
+    stored_call,
+)
 from orchestrator.history_repair import History
 from orchestrator.turn import DispatchedCall, TurnRecord
 from worker import errors
@@ -109,8 +117,6 @@ class ApprovalDesk:
     def log(self) -> EventLog:
         """Where decisions are written: the given log, else the configured one (Redis or JSONL)."""
         if self._log is None:
-            from orchestrator.eventlog import JsonlEventLog, RedisEventLog
-
             runtime = self.orch.runtime
             self._log = (RedisEventLog(client=runtime.redis) if runtime.redis is not None
                          else JsonlEventLog(runtime.settings.log_dir))
@@ -119,7 +125,7 @@ class ApprovalDesk:
     # -- turn side ------------------------------------------------------------------------------
 
     def request(self, record: TurnRecord) -> None:
-        """Record the turn's calls that wait for a decision (called once, when the turn is planned)."""
+        """Record the turn's calls that wait for a decision (those recorded before are left as they are)."""
         if not record.awaiting:
             return
         now = time.time()
@@ -138,8 +144,11 @@ class ApprovalDesk:
         self.store.open(approvals, self.orch.runtime.settings.result_ttl)
 
     def awaiting(self, record: TurnRecord) -> list[Approval]:
-        """The turn's waiting calls as recorded (a turn ends with these instead of their results)."""
-        return self.store.for_turn(record.session_id, record.turn_id) if record.awaiting else []
+        """The turn's waiting calls as recorded (a turn ends with these instead of their results),
+        without their signatures: those carry the unredacted arguments."""
+        if not record.awaiting:
+            return []
+        return [a.model_copy(update={"signature": None}) for a in self.store.for_turn(record.session_id, record.turn_id)]
 
     # -- decisions --------------------------------------------------------------------------------
 

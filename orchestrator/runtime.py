@@ -347,7 +347,8 @@ class Orchestrator:
         if record is None:
             record = self.plan(session_id, turn_id, calls, provider)
             self.turns.save(record)
-            self.approvals.request(record)
+        # Idempotent: a turn resumed after a crash between the two writes still records its held calls.
+        self.approvals.request(record)
         record._late = tuple(late)
         turn = (session_id, turn_id)
         self._listen_for_cancels()
