@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import SecretStr
 
 from orchestrator import (
     Agent,
@@ -24,7 +25,8 @@ from orchestrator import (
 )
 from orchestrator.eventlog import ApprovalDecided, ApprovalRequested, ModelRequest
 from tests.cluster_helpers import wait_for
-from worker import ErrorCode, Registry, SandboxProfile, tool
+from worker import ErrorCode, Registry, SandboxProfile, ToolCall, tool
+from worker.redaction import MASK
 
 ROOT = Path(__file__).resolve().parent.parent
 REFUNDS: list[str] = []
@@ -172,6 +174,30 @@ def test_a_session_pauses_and_resumes_many_times_and_its_log_only_grows(
     assert result.stop_reason == "final" and result.text == "All refunded."
     assert len(server.requests) == 4
     assert [e.by for e in seen if isinstance(e, ApprovalDecided)] == ["carol"] * 3
+
+
+@tool(side_effect="unsafe", approval="always", store_raw_arguments=False, sandbox=SandboxProfile(isolate=False))
+def deploy(service: str, token: SecretStr) -> str:
+    """Deploy a service with a deploy token."""
+    return f"deployed {service} with a token of {len(token.get_secret_value())} characters"
+
+
+def test_held_arguments_are_redacted_but_the_approved_call_gets_them_whole() -> None:
+    orch = Orchestrator(Registry([deploy]))
+    try:
+        arguments = '{"service": "api", "token": "s3cr3t-value"}'
+        turn = orch.run_calls("secret", [ToolCall(id="c1", name="deploy", arguments_raw=arguments, index=0)])
+        held, = turn.awaiting_approval
+        listed, = orch.pending_approvals("secret")
+        for shown in (held, listed):
+            assert shown.arguments == {"service": "api", "token": MASK}
+            assert "s3cr3t" not in shown.call.model_dump_json()
+        assert held.signature is None
+        orch.approve("secret", "c1", by="alice")
+        result, = orch.approvals.settle("secret", turn.turn_id).results
+    finally:
+        orch.close()
+    assert result.content == "deployed api with a token of 12 characters"
 
 
 def test_the_documented_example_runs_as_written(tmp_path: Path) -> None:
