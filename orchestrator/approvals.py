@@ -229,6 +229,12 @@ class ApprovalDesk:
             missing = [a for a in approved if a.call.id not in found]
             overdue = [a for a in missing if a.dispatch_deadline <= time.time()]
             for approval in overdue:
+                if time.time() > approval.dispatch_deadline + self.orch.runtime.settings.result_ttl:
+                    # Its result and start record may have expired: whether it ran is not known any more.
+                    reason = "its records expired before the session was resumed"
+                    found[approval.call.id] = errors.error_result(approval.call,
+                                                                  errors.outcome_unknown(approval.call, reason))
+                    continue
                 record = TurnRecord(session_id=approval.session_id, turn_id=approval.turn_id, provider="chat",
                                     calls=[], deadline=approval.dispatch_deadline)
                 dc = DispatchedCall(call=approval.call, arguments={}, key=approval.key, task_id=approval.task_id,
