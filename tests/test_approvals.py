@@ -7,6 +7,7 @@ import asyncio
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -198,6 +199,21 @@ def test_held_arguments_are_redacted_but_the_approved_call_gets_them_whole() -> 
     finally:
         orch.close()
     assert result.content == "deployed api with a token of 12 characters"
+
+
+def test_an_approved_call_resumed_after_its_records_expired_is_outcome_unknown() -> None:
+    orch = Orchestrator(HELD)
+    try:
+        turn = orch.run_calls("old", [ToolCall(id="c1", name="refund", arguments_raw='{"order_id": "o", "cents": 5000}',
+                                               index=0)])
+        # Decided and sent two result TTLs ago: the idempotency store no longer knows the call.
+        long_ago = time.time() - 2 * orch.runtime.settings.result_ttl
+        orch.approvals.store.decide("old", "c1", "APPROVED", "alice", None, long_ago)
+        orch.approvals.store.mark_dispatched("old", "c1")
+        result, = orch.approvals.settle("old", turn.turn_id).results
+    finally:
+        orch.close()
+    assert result.error is not None and result.error.code == ErrorCode.OUTCOME_UNKNOWN
 
 
 def test_the_documented_example_runs_as_written(tmp_path: Path) -> None:
