@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from pydantic import SecretStr
 
 from orchestrator import (
     Agent,
+    AgentResult,
     JsonlEventLog,
     Orchestrator,
     ScriptedCall,
@@ -74,6 +76,16 @@ def _agent(registry: Registry, orch: Orchestrator, server: ScriptedModelServer, 
                  event_log=log)
 
 
+@contextmanager
+def _paused(orch: Orchestrator, log: JsonlEventLog,
+            session_id: str) -> Iterator[tuple[Agent, ScriptedModelServer, AgentResult]]:
+    """An agent on the held tools whose session `session_id` has just paused on the big refund."""
+    REFUNDS.clear()
+    with ScriptedModelServer(SCRIPT) as server:
+        agent = _agent(HELD, orch, server, log)
+        yield agent, server, agent.run("refund", session_id=session_id)
+
+
 def _digests(log: JsonlEventLog, session_id: str) -> list[str]:
     return [e.request_digest for e in log.read(session_id) if isinstance(e, ModelRequest)]
 
@@ -82,10 +94,7 @@ def test_held_call_waits_then_resumes_with_the_request_an_uninterrupted_run_send
         tmp_path: Path, orchestrators: dict[str, Orchestrator]) -> None:
     log = JsonlEventLog(tmp_path)
     orch = orchestrators["held"]
-    REFUNDS.clear()
-    with ScriptedModelServer(SCRIPT) as server:
-        agent = _agent(HELD, orch, server, log)
-        waiting = agent.run("refund", session_id="held")
+    with _paused(orch, log, "held") as (agent, server, waiting):
         assert waiting.stop_reason == "waiting_approval"
         # Only the big refund waits; the others ran with the turn.
         assert [a.call.arguments for a in waiting.awaiting_approval] == [{"order_id": "big", "cents": 5000}]
@@ -116,10 +125,8 @@ def test_deny_gives_the_model_the_reason_and_replay_shows_the_decisions(
         tmp_path: Path, orchestrators: dict[str, Orchestrator]) -> None:
     log = JsonlEventLog(tmp_path)
     orch = orchestrators["held"]
-    REFUNDS.clear()
-    with ScriptedModelServer(SCRIPT) as server:
-        agent = _agent(HELD, orch, server, log)
-        held = agent.run("refund", session_id="denied").awaiting_approval[0]
+    with _paused(orch, log, "denied") as (agent, server, paused):
+        held = paused.awaiting_approval[0]
         waiting_replay = _replay(tmp_path, "denied")
         assert "approval requested: call " + held.call.id in waiting_replay
         assert "no next request yet" in waiting_replay
