@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from orchestrator.agent import Agent, AgentResult, AgentStep
+from orchestrator.approval_store import Approval
+from orchestrator.approvals import SessionWaiting, Settlement, UnknownApproval
 from orchestrator.eventlog import EventLog, JsonlEventLog, RedisEventLog, SessionRecorder, open_event_log
 from orchestrator.model_clients import ModelError, make_model_client
 from orchestrator.pipeline import PermissionHook, Pipeline, PreparedCall, prepare_call
@@ -16,6 +18,7 @@ __all__ = [
     "Agent",
     "AgentResult",
     "AgentStep",
+    "Approval",
     "EventLog",
     "JsonlEventLog",
     "LateCall",
@@ -33,8 +36,11 @@ __all__ = [
     "ScriptedModelServer",
     "ScriptedTurn",
     "SessionRecorder",
+    "SessionWaiting",
+    "Settlement",
     "TurnRecord",
     "TurnResult",
+    "UnknownApproval",
     "check_pairing",
     "get_adapter",
     "make_model_client",

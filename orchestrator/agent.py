@@ -13,7 +13,11 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import BaseModel, Field
 
+from orchestrator.approval_store import Approval
+from orchestrator.approvals import SessionWaiting, decided_event, turns_awaiting
 from orchestrator.eventlog import (
+    ApprovalDecided,
+    ApprovalRequested,
     EventLog,
     ModelFailed,
     ModelRequest,
@@ -52,12 +56,15 @@ class AgentStep(BaseModel):
 
 
 class AgentResult(BaseModel):
-    """How a run ended: the final text (empty when the step limit stopped it) and every step."""
+    """How a run ended: the final text (empty when the step limit stopped it or calls wait for a
+    decision) and every step. `waiting_approval`: `awaiting_approval` lists the calls to decide;
+    `Agent.resume` continues once they are decided."""
 
     session_id: str
     text: str
-    stop_reason: Literal["final", "max_steps"]
+    stop_reason: Literal["final", "max_steps", "waiting_approval"]
     steps: list[AgentStep]
+    awaiting_approval: list[Approval] = Field(default_factory=list)
 
 
 class Agent:
@@ -90,14 +97,14 @@ class Agent:
         self.model = model
         self.provider: Provider = provider
         self._own_orchestrator = orchestrator is None
+        self.log: EventLog = event_log if event_log is not None else open_event_log()
         if orchestrator is None:
             from orchestrator.runtime import Orchestrator
 
-            orchestrator = Orchestrator(registry)
+            orchestrator = Orchestrator(registry, event_log=self.log)
         self.orchestrator = orchestrator
         self.client: ModelClient = client or make_model_client(provider, base_url=base_url, api_key=api_key,
                                                                max_retries=max_retries)
-        self.log: EventLog = event_log if event_log is not None else open_event_log()
         self.builder = RequestBuilder(self.log)
         self.system = system
         self.max_steps = max_steps
@@ -111,6 +118,8 @@ class Agent:
         session_id = session_id or uuid.uuid4().hex
         recorder = SessionRecorder(self.log, session_id, self.registry)
         events = self.log.read(session_id)
+        if turns_awaiting(events, self.orchestrator.approvals.store, session_id):
+            raise SessionWaiting(f"session {session_id} has calls waiting for a decision: decide them, then resume it")
         declared = declarations_from_registry(self.registry)
         digest = tools_digest(declared)
         if not any(isinstance(e, SessionStarted) for e in events):
@@ -152,6 +161,9 @@ class Agent:
             recorder.result(turn_id, result)
         for result in late:
             recorder.result(turn_id, result, late=True)
+        for approval in turn.awaiting_approval if turn is not None else []:
+            recorder.append(ApprovalRequested(turn_id=turn_id, call_id=approval.call.id, tool=approval.tool,
+                                              arguments=approval.arguments, expires_at=approval.expires_at))
         done = AgentStep(step=step, turn_id=turn_id, text=text, calls=calls, results=results, late_results=late)
         if self.on_step is not None:
             self.on_step(done)
@@ -159,9 +171,16 @@ class Agent:
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def run(self, prompt: str, *, session_id: str | None = None) -> AgentResult:
-        """Run the conversation to a final answer (or `max_steps` model calls), blocking."""
-        recorder = self._begin(prompt, session_id)
+    def _stop(self, recorder: SessionRecorder, steps: list[AgentStep], turn: TurnResult | None) -> AgentResult | None:
+        """The result when the step just taken ends the run (final answer, or calls held for a decision)."""
+        if turn is not None and turn.waiting:
+            return AgentResult(session_id=recorder.session_id, text="", stop_reason="waiting_approval", steps=steps,
+                               awaiting_approval=turn.awaiting_approval)
+        if not steps[-1].calls:
+            return AgentResult(session_id=recorder.session_id, text=steps[-1].text, stop_reason="final", steps=steps)
+        return None
+
+    def _loop(self, recorder: SessionRecorder) -> AgentResult:
         steps: list[AgentStep] = []
         for step in range(1, self.max_steps + 1):
             request = self._request(recorder, step)
@@ -174,9 +193,41 @@ class Agent:
             turn = (self.orchestrator.run_calls(recorder.session_id, calls, turn_id=turn_id, provider=self.provider)
                     if calls else None)
             steps.append(self._record_turn(recorder, step, turn_id, text, calls, turn))
-            if not calls:
-                return AgentResult(session_id=recorder.session_id, text=text, stop_reason="final", steps=steps)
+            if (done := self._stop(recorder, steps, turn)) is not None:
+                return done
         return AgentResult(session_id=recorder.session_id, text="", stop_reason="max_steps", steps=steps)
+
+    def run(self, prompt: str, *, session_id: str | None = None) -> AgentResult:
+        """Run the conversation to a final answer (or `max_steps` model calls), blocking.
+
+        Ends early with `stop_reason="waiting_approval"` when a call waits for a person's decision;
+        raises `SessionWaiting` when `session_id` still has such calls (use `resume`).
+        """
+        return self._loop(self._begin(prompt, session_id))
+
+    def resume(self, session_id: str) -> AgentResult:
+        """Continue a session whose calls waited for a decision, from its event log (any process).
+
+        The decided calls' results (approved calls are waited for) are appended to the log, and
+        the next request is rebuilt from it: byte for byte what an uninterrupted run would have
+        sent. Still undecided calls give `waiting_approval` again, and nothing is appended.
+        """
+        recorder = SessionRecorder(self.log, session_id, self.registry)
+        events = self.log.read(session_id)
+        logged = {e.call_id for e in events if isinstance(e, ApprovalDecided)}
+        for turn_id, held in turns_awaiting(events, self.orchestrator.approvals.store, session_id).items():
+            settlement = self.orchestrator.approvals.settle(session_id, turn_id)
+            if settlement.waiting:
+                return AgentResult(session_id=session_id, text="", stop_reason="waiting_approval", steps=[],
+                                   awaiting_approval=settlement.waiting)
+            # Only what the log lacks: a resume that crashed half way is simply resumed again.
+            for approval in settlement.decided:
+                if approval.call.id not in logged:
+                    recorder.append(decided_event(approval))
+            for result in settlement.results:
+                if result.call_id in held:
+                    recorder.result(turn_id, result)
+        return self._loop(recorder)
 
     async def arun(self, prompt: str, *, session_id: str | None = None) -> AgentResult:
         """asyncio twin of `run`: the model call and the turn are awaited, not blocked on."""
@@ -194,8 +245,8 @@ class Agent:
                                                        provider=self.provider)
                     if calls else None)
             steps.append(self._record_turn(recorder, step, turn_id, text, calls, turn))
-            if not calls:
-                return AgentResult(session_id=recorder.session_id, text=text, stop_reason="final", steps=steps)
+            if (done := self._stop(recorder, steps, turn)) is not None:
+                return done
         return AgentResult(session_id=recorder.session_id, text="", stop_reason="max_steps", steps=steps)
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """The `toolchord` command line (console script `toolchord = orchestrator.cli:main`).
 
 Subcommands: worker, flower (Celery processes, see worker.launch), demo, run, replay, tools, bench,
-mcp serve (needs the `mcp` extra).
+mcp serve (needs the `mcp` extra), approvals (list|approve|deny).
 `worker`, `flower` and `bench` hand their arguments on untouched: their own parsers (and Celery's)
 own those options.
 """
@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from worker.registry import PROVIDERS, Registry
 
@@ -57,6 +58,18 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--provider", choices=PROVIDERS, help="render for this provider (default: the session's)")
     replay.add_argument("--log-dir", help="JSONL log directory (default: $TOOLCHORD_LOG_DIR or Redis when distributed)")
     replay.add_argument("--redis-url", help="read the Redis Streams log at this URL")
+
+    approvals = sub.add_parser("approvals", help="list, approve or deny calls waiting for a decision")
+    decide = approvals.add_subparsers(dest="action", metavar="ACTION", required=True)
+    listing = decide.add_parser("list", help="calls waiting for a decision (overdue ones are expired)")
+    listing.add_argument("--session", help="only this session's calls")
+    listing.add_argument("--json", action="store_true", help="one JSON object per line")
+    for action in ("approve", "deny"):
+        one = decide.add_parser(action, help=f"{action} a waiting call")
+        one.add_argument("session")
+        one.add_argument("call_id")
+        one.add_argument("--by", required=True, help="who decides (recorded in the session log)")
+        one.add_argument("--note", help="why (a denial's note is the reason the model reads)")
 
     tools = sub.add_parser("tools", help="print the tool declarations for a provider")
     tools.add_argument("--provider", choices=PROVIDERS, default="chat")
@@ -103,6 +116,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from orchestrator.approvals import turns_awaiting
     from orchestrator.eventlog import ModelRequest, open_event_log
     from orchestrator.history_repair import History, plan_repair
     from orchestrator.request_builder import render, request_bytes, request_digest
@@ -112,8 +126,12 @@ def _replay(args: argparse.Namespace) -> int:
     if not events:
         print(f"toolchord replay: no events for session {args.session!r}", file=sys.stderr)
         return 1
-    points = [i for i, e in enumerate(events) if isinstance(e, ModelRequest)] + [len(events)]
+    waiting = turns_awaiting(events)
+    points = [i for i, e in enumerate(events) if isinstance(e, ModelRequest)] + ([] if waiting else [len(events)])
+    shown = 0
     for number, end in enumerate(points, start=1):
+        _print_approvals(events[shown:end])
+        shown = end
         prefix = events[:end]
         history = History.from_events(prefix + plan_repair(History.from_events(prefix)))
         request, _ = render(history, args.provider)
@@ -126,7 +144,59 @@ def _replay(args: argparse.Namespace) -> int:
             note = "the next request"
         print(f"--- request {number} ({note}) ---")
         print(request_bytes(request).decode())
+    _print_approvals(events[shown:])
+    if waiting:
+        print("--- no next request yet: calls wait for a decision (toolchord approvals list) ---")
     return 0
+
+
+def _print_approvals(events: list[Any]) -> None:
+    """One line per approval request and decision (who, when, what) among `events`."""
+    from datetime import UTC, datetime
+
+    from orchestrator.eventlog import ApprovalDecided, ApprovalRequested
+
+    for event in events:
+        if isinstance(event, ApprovalRequested):
+            print(f"--- approval requested: call {event.call_id} ({event.tool}) "
+                  f"{json.dumps(event.arguments, ensure_ascii=False)} ---")
+        elif isinstance(event, ApprovalDecided):
+            when = datetime.fromtimestamp(event.decided_at, UTC).isoformat(timespec="seconds")
+            note = f": {event.note}" if event.note else ""
+            print(f"--- approval {event.decision}: call {event.call_id} ({event.tool}) by {event.by} "
+                  f"at {when}{note} ---")
+
+
+def _approvals(args: argparse.Namespace) -> int:
+    import time
+
+    from orchestrator.approvals import UnknownApproval
+    from orchestrator.runtime import Orchestrator
+    from worker.config import Settings
+
+    settings = Settings.from_env()
+    if settings.embedded:
+        print("toolchord approvals: set TOOLCHORD_BROKER_URL and TOOLCHORD_REDIS_URL (approvals live in Redis)",
+              file=sys.stderr)
+        return 2
+    orchestrator = Orchestrator(Registry(), settings=settings)
+    if args.action == "list":
+        for approval in orchestrator.pending_approvals(args.session):
+            if args.json:
+                print(json.dumps(approval.public(), ensure_ascii=False))
+                continue
+            left = approval.expires_at - time.time()
+            print(f"{approval.session_id} {approval.call.id} {approval.tool}"
+                  f"({json.dumps(approval.arguments, ensure_ascii=False)}) expires in {left:.0f} s")
+        return 0
+    decide = orchestrator.approve if args.action == "approve" else orchestrator.deny
+    try:
+        approval = decide(args.session, args.call_id, by=args.by, note=args.note)
+    except UnknownApproval as exc:
+        print(f"toolchord approvals: {exc.args[0]}", file=sys.stderr)
+        return 1
+    print(f"{approval.session_id} {approval.call.id} {approval.tool}: {approval.state} by {approval.decided_by}")
+    return 0 if approval.state == {"approve": "APPROVED", "deny": "DENIED"}[args.action] else 3
 
 
 def _tools(args: argparse.Namespace) -> int:
@@ -174,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in _PASSTHROUGH:
         sys.exit(_passthrough(argv[0], argv[1:]))
     args = _parser().parse_args(argv)
-    handler = {"demo": _demo, "run": _run, "replay": _replay, "tools": _tools, "mcp": _mcp}[args.command]
+    handler = {"demo": _demo, "run": _run, "replay": _replay, "tools": _tools, "mcp": _mcp,
+               "approvals": _approvals}[args.command]
     sys.exit(handler(args))
 
 

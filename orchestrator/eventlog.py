@@ -142,6 +142,30 @@ class LateResult(_Event):
     result: ToolResult
 
 
+class ApprovalRequested(_Event):
+    """A call waits for a person's decision: it was not dispatched (orchestrator.approvals)."""
+
+    type: Literal["approval_requested"] = "approval_requested"
+    turn_id: str
+    call_id: str
+    tool: str
+    arguments: dict[str, Any] = Field(description="The validated arguments, redacted.")
+    expires_at: float
+
+
+class ApprovalDecided(_Event):
+    """Who decided a waiting call, when, and what (`expired`: nobody decided before the deadline)."""
+
+    type: Literal["approval_decided"] = "approval_decided"
+    turn_id: str
+    call_id: str
+    tool: str
+    decision: Literal["approved", "denied", "expired"]
+    by: str
+    note: str | None = None
+    decided_at: float
+
+
 class ModelFailed(_Event):
     type: Literal["model_failed"] = "model_failed"
     provider: Provider
@@ -163,7 +187,7 @@ class Transformation(_Event):
 
 Event = Annotated[
     SessionStarted | ToolsDeclared | UserInput | ModelRequest | ModelOutput | CallParsed | TurnDispatched
-    | CallStarted | CallResult | LateResult | ModelFailed | Transformation,
+    | CallStarted | CallResult | LateResult | ApprovalRequested | ApprovalDecided | ModelFailed | Transformation,
     Field(discriminator="type"),
 ]
 _EVENT = TypeAdapter(Event)
@@ -495,6 +519,8 @@ def declarations_from_registry(registry: Registry) -> list[ToolDeclaration]:
 
 
 __all__ = [
+    "ApprovalDecided",
+    "ApprovalRequested",
     "CallParsed",
     "CallResult",
     "CallStarted",

@@ -19,7 +19,10 @@ from celery.backends.redis import RedisBackend
 from celery.canvas import Signature
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
+from orchestrator.approval_store import Approval, MemoryApprovalStore, RedisApprovalStore
+from orchestrator.approvals import ApprovalDesk, needs_approval
 from orchestrator.cancel_signals import announce_cancel, listen_for_cancels
+from orchestrator.eventlog import EventLog
 from orchestrator.pipeline import PermissionHook, PreparedCall, prepare_call
 from orchestrator.providers import get_adapter
 from orchestrator.turn import DispatchedCall, LateCall, TurnRecord, TurnResult
@@ -110,6 +113,7 @@ class Orchestrator:
         settings: Settings | None = None,
         turn_timeout: float | None = None,
         permission_hook: PermissionHook | None = None,
+        event_log: EventLog | None = None,
     ) -> None:
         self.app = app if app is not None else create_app(settings, registry)
         self.runtime: WorkerRuntime = runtime_of(self.app)
@@ -122,6 +126,10 @@ class Orchestrator:
         self.turns: TurnStore = (
             MemoryTurnStore() if self.runtime.redis is None else RedisTurnStore(self.runtime.redis, settings.result_ttl)
         )
+        # Calls held for a decision; decisions are written to `event_log` (default: the configured log).
+        self.approvals = ApprovalDesk(
+            self, MemoryApprovalStore() if self.runtime.redis is None else RedisApprovalStore(self.runtime.redis),
+            event_log)
         self._waiters: dict[asyncio.AbstractEventLoop, ResultWaiter] = {}
         # Turns waited on here, and those of them known to be cancelled (by this orchestrator or
         # announced by another process): the waiting loops check the set at every slice.
@@ -159,12 +167,16 @@ class Orchestrator:
         by_resource: dict[str, list[DispatchedCall]] = {}
         groups: list[list[DispatchedCall]] = []
         dispatched: list[DispatchedCall] = []
+        awaiting: list[DispatchedCall] = []
         for call in sorted(calls, key=lambda c: c.index):
             prepared = prepare_call(call, self.registry, session_id, self.permission_hook)
             if isinstance(prepared, ToolResult):
                 early.append(prepared)
                 continue
             dc = self._dispatched(prepared)
+            if needs_approval(self.registry[call.name], prepared.arguments):
+                awaiting.append(dc)
+                continue
             dispatched.append(dc)
             if prepared.resource is None:
                 groups.append([dc])
@@ -180,6 +192,7 @@ class Orchestrator:
             calls=list(calls),
             early=early,
             dispatched=dispatched,
+            awaiting=awaiting,
             groups=[[dc.call.id for dc in group] for group in groups],
             deadline=self._deadline(groups),
         )
@@ -268,7 +281,7 @@ class Orchestrator:
             for dc in record.dispatched
             if (error := by_id[dc.call.id].error) is not None and _may_still_finish(dc, error.code, dc.call.id in unfinished)
         ]
-        results = [by_id[call.id] for call in sorted(record.calls, key=lambda c: c.index)]
+        results = [by_id[call.id] for call in sorted(record.calls, key=lambda c: c.index) if call.id in by_id]
         late_results, settled = self._late_results(record)
         turn = TurnResult(
             session_id=record.session_id,
@@ -277,6 +290,7 @@ class Orchestrator:
             calls=record.calls,
             results=results,
             late_results=late_results,
+            awaiting_approval=self.approvals.awaiting(record),
         )
         self.turns.finish(record, turn, settled, watched)
         self._waiting.discard((record.session_id, record.turn_id))
@@ -336,6 +350,8 @@ class Orchestrator:
         if record is None:
             record = self.plan(session_id, turn_id, calls, provider)
             self.turns.save(record)
+        # Idempotent: a turn resumed after a crash between the two writes still records its held calls.
+        self.approvals.request(record)
         record._late = tuple(late)
         turn = (session_id, turn_id)
         self._listen_for_cancels()
@@ -506,6 +522,22 @@ class Orchestrator:
         if record is None:
             return None
         return self.run_calls(session_id, record.calls, turn_id=record.turn_id, provider=record.provider)
+
+    def approve(self, session_id: str, call_id: str, *, by: str, note: str | None = None) -> Approval:
+        """Approve a call waiting for a decision (from any process on the same Redis) and send it.
+
+        At most once: approving twice, approving a decided call, or approving from two processes
+        at once sends it once (and the worker's claim runs it once). See docs/approvals.md.
+        """
+        return self.approvals.approve(session_id, call_id, by=by, note=note)
+
+    def deny(self, session_id: str, call_id: str, *, by: str, note: str | None = None) -> Approval:
+        """Deny a call waiting for a decision: the model gets PERMISSION_DENIED with `note` as the reason."""
+        return self.approvals.deny(session_id, call_id, by=by, note=note)
+
+    def pending_approvals(self, session_id: str | None = None) -> list[Approval]:
+        """Calls waiting for a decision (of one session, or all); overdue ones are expired on the way."""
+        return self.approvals.pending(session_id)
 
     def cancel(self, session_id: str, turn_id: str) -> None:
         """Stop a turn: its waiting `run_*` returns promptly; unstarted calls will not start.

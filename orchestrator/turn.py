@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr
 
+from orchestrator.approval_store import Approval
 from worker.models import SideEffect, ToolCall, ToolResult
 from worker.registry import Provider
 
@@ -41,6 +42,8 @@ class TurnRecord(BaseModel):
     calls: list[ToolCall]
     early: list[ToolResult] = Field(default_factory=list, description="Results decided before dispatch.")
     dispatched: list[DispatchedCall] = Field(default_factory=list)
+    awaiting: list[DispatchedCall] = Field(
+        default_factory=list, description="Calls held for a person's decision (not dispatched with the turn).")
     groups: list[list[str]] = Field(
         default_factory=list, description="Header elements: call ids run in order (a resource chain) or alone."
     )
@@ -53,7 +56,8 @@ class TurnRecord(BaseModel):
 
 
 class TurnResult(BaseModel):
-    """The outcome of one turn: exactly one result per call, in the model's order."""
+    """The outcome of one turn: exactly one result per call, in the model's order, except for calls
+    that wait for a person's decision: those are in `awaiting_approval` instead (see `waiting`)."""
 
     session_id: str
     turn_id: str
@@ -64,6 +68,13 @@ class TurnResult(BaseModel):
         default_factory=list,
         description="Results of earlier turns' calls that finished after their turn had ended.",
     )
+    awaiting_approval: list[Approval] = Field(
+        default_factory=list, description="Calls not dispatched: they wait for approve/deny (docs/approvals.md).")
+
+    @property
+    def waiting(self) -> bool:
+        """True while some calls of the turn wait for a decision (their results are not in `results`)."""
+        return bool(self.awaiting_approval)
 
     def to_messages(self) -> list[dict[str, Any]]:
         """The results as the provider's request messages/items, paired with their calls by id."""

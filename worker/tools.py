@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, get_type_hints
+from typing import Any, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
@@ -43,6 +43,9 @@ class ToolSpec(BaseModel):
     transient: tuple[type[BaseException], ...] = DEFAULT_TRANSIENT
     max_retries: int = Field(default=3, ge=0)
     store_raw_arguments: bool = Field(default=True, description="Keep raw arguments in the event log.")
+    approval: Literal["never", "always"] | Callable[[dict[str, Any]], bool] = Field(
+        default="never", description="Whether a call waits for a person's decision (a function of the arguments).")
+    approval_timeout: float = Field(default=86400.0, gt=0, description="Seconds a call may wait for its decision.")
 
     @property
     def is_async(self) -> bool:
@@ -105,7 +108,8 @@ def tool(
     The argument model comes from the signature (or `args_model`, or a single pydantic-model
     parameter), the description from the docstring. `policy` takes the ToolSpec fields
     (side_effect, timeout, queue, resource, idempotency_key, cancellable, risk, sandbox,
-    max_output_chars, reconcile, transient, max_retries, ...). Unknown options are an error.
+    max_output_chars, reconcile, transient, max_retries, approval, approval_timeout, ...). Unknown
+    options are an error.
     """
 
     def build(func: Callable[..., Any]) -> ToolSpec:
