@@ -20,6 +20,7 @@ from celery.canvas import Signature
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from orchestrator.cancel_signals import announce_cancel, listen_for_cancels
+from orchestrator.observability import observed_turn
 from orchestrator.pipeline import PermissionHook, PreparedCall, prepare_call
 from orchestrator.providers import get_adapter
 from orchestrator.turn import DispatchedCall, LateCall, TurnRecord, TurnResult
@@ -382,6 +383,7 @@ class Orchestrator:
         """Finish with the chord callback's value (a failed callback leaves the store to fill in)."""
         return self._finish(record, value if status == states.SUCCESS else None, "the turn's results could not be collected")
 
+    @observed_turn
     def run_calls(
         self, session_id: str, calls: list[ToolCall], *, turn_id: str | None = None, provider: Provider = "chat"
     ) -> TurnResult:
@@ -432,6 +434,7 @@ class Orchestrator:
             self._waiters[loop] = waiter
         return waiter
 
+    @observed_turn
     async def arun_calls(
         self, session_id: str, calls: list[ToolCall], *, turn_id: str | None = None, provider: Provider = "chat"
     ) -> TurnResult:

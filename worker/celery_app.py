@@ -13,6 +13,7 @@ from typing import Any
 from celery import Celery
 
 from worker.config import Settings
+from worker.observability import signals as _observability  # noqa: F401 - connects its signal receivers
 from worker.registry import Registry
 from worker.tasks import register_tasks
 from worker.worker_runtime import WorkerRuntime, queues_of, runtime_of

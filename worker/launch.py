@@ -7,9 +7,11 @@ management and Flower behave exactly as Celery documents them.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import ipaddress
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from worker.config import ConfigError, Settings
@@ -30,10 +32,14 @@ def worker_command(argv: Sequence[str] | None = None, env: dict[str, str] | None
     parser.add_argument("-c", "--concurrency", type=int, help="pool processes (default: CPU count)")
     parser.add_argument("-n", "--hostname", help="worker node name")
     parser.add_argument("--loglevel", default="INFO")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (needs toolchord[metrics])")
+    parser.add_argument("--metrics-address", default="127.0.0.1", help="address of the metrics endpoint")
     known, extra = parser.parse_known_args(argv)
     env = dict(os.environ if env is None else env)
     if known.tools:
         env["TOOLCHORD_TOOL_MODULES"] = known.tools
+    if known.metrics_port is not None:
+        _metrics_env(env, known.metrics_port, known.metrics_address)
     settings = Settings.from_env(env)
     if settings.embedded:
         raise ConfigError("toolchord worker needs TOOLCHORD_BROKER_URL: embedded mode runs its worker in-process")
@@ -50,6 +56,19 @@ def worker_command(argv: Sequence[str] | None = None, env: dict[str, str] | None
     if known.hostname:
         args += ["--hostname", known.hostname]
     return args + list(extra), env
+
+
+def _metrics_env(env: dict[str, str], port: int, address: str) -> None:
+    """Prefork children write their metrics to files the main process serves (prometheus-client's
+    multiprocess mode); the directory must be known before any process imports the client."""
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigError("--metrics-port needs prometheus-client: pip install 'toolchord[metrics]'")
+    env["TOOLCHORD_METRICS_PORT"] = str(port)
+    env["TOOLCHORD_METRICS_ADDRESS"] = address
+    directory = env.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="toolchord-metrics-"))
+    from worker.observability.metrics import wipe_multiprocess_dir
+
+    wipe_multiprocess_dir(directory)
 
 
 def run_worker(argv: Sequence[str] | None = None) -> int:

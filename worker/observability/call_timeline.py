@@ -1,0 +1,61 @@
+"""When and where each call ran, kept in Redis for the session timeline page (`toolchord ui`).
+
+Workers write one JSON record per call into a hash per session: when a delivery starts (the bar
+turns from queued to running) and when it ends (the bar gets its result code). Only names, ids,
+times and codes: never arguments or output.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from worker.models import SideEffect
+
+PREFIX = "toolchord:calls:"
+
+CallPhase = Literal["running", "retrying", "done"]
+
+
+class CallTiming(BaseModel):
+    """One call's run as workers saw it (the latest delivery; `attempts` counts them all)."""
+
+    session_id: str
+    turn_id: str
+    call_id: str
+    tool: str
+    side_effect: SideEffect | None = None
+    key: str
+    queue: str | None = None
+    published_at: float | None = None
+    started_at: float
+    finished_at: float | None = None
+    worker: str | None = None
+    attempts: int = 1
+    phase: CallPhase = "running"
+    code: str | None = None
+
+
+def timing_key(session_id: str) -> str:
+    return PREFIX + session_id
+
+
+def save_timing(client: Any, timing: CallTiming, ttl: int) -> None:
+    """Write the record (one round trip); the hash expires with the session's results."""
+    key = timing_key(timing.session_id)
+    pipe = client.pipeline(transaction=False)
+    pipe.hset(key, timing.call_id, timing.model_dump_json())
+    pipe.expire(key, ttl)
+    pipe.execute()
+
+
+def read_timings(client: Any, session_id: str) -> dict[str, CallTiming]:
+    """Every call record of a session, by call id."""
+    raw = client.hgetall(timing_key(session_id))
+    return {
+        (k.decode() if isinstance(k, bytes) else k): CallTiming.model_validate_json(v) for k, v in raw.items()
+    }
+
+
+__all__ = ["CallPhase", "CallTiming", "PREFIX", "read_timings", "save_timing", "timing_key"]
