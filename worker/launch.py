@@ -12,7 +12,7 @@ import ipaddress
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from worker.config import ConfigError, Settings
 
@@ -82,13 +82,32 @@ def run_worker(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _is_loopback(address: str) -> bool:
+def is_loopback(address: str) -> bool:
+    """Whether a listen address only accepts connections from this machine."""
     if address == "localhost":
         return True
     try:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
         return False
+
+
+def basic_auth(explicit: str | None, env: Mapping[str, str], variable: str) -> str | None:
+    """`user:password` from the option, else `$variable`, else the file named by `$variable_FILE`."""
+    auth = explicit or env.get(variable)
+    if not auth and env.get(f"{variable}_FILE"):
+        with open(env[f"{variable}_FILE"]) as handle:
+            auth = handle.read().strip()
+    return auth or None
+
+
+def refuse_open_access(what: str, address: str, authenticated: bool, variable: str) -> None:
+    """A page that shows every call is served off loopback only behind authentication."""
+    if not authenticated and not is_loopback(address):
+        raise ConfigError(
+            f"refusing to serve {what} on {address} without authentication: "
+            f"set {variable}=user:password (or bind to 127.0.0.1)"
+        )
 
 
 def flower_command(argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
@@ -102,16 +121,9 @@ def flower_command(argv: Sequence[str] | None = None, env: dict[str, str] | None
     parser.add_argument("--basic-auth", help="user:password (prefer FLOWER_BASIC_AUTH or FLOWER_BASIC_AUTH_FILE)")
     known, extra = parser.parse_known_args(argv)
     env = dict(os.environ if env is None else env)
-    auth = known.basic_auth or env.get("FLOWER_BASIC_AUTH")
-    if not auth and env.get("FLOWER_BASIC_AUTH_FILE"):
-        with open(env["FLOWER_BASIC_AUTH_FILE"]) as handle:
-            auth = handle.read().strip()
+    auth = basic_auth(known.basic_auth, env, "FLOWER_BASIC_AUTH")
     has_oauth = bool(env.get("FLOWER_AUTH_PROVIDER") or any(a.startswith("--auth") for a in extra))
-    if not auth and not has_oauth and not _is_loopback(known.address):
-        raise ConfigError(
-            f"refusing to serve Flower on {known.address} without authentication: "
-            "set FLOWER_BASIC_AUTH=user:password (or bind to 127.0.0.1)"
-        )
+    refuse_open_access("Flower", known.address, bool(auth or has_oauth), "FLOWER_BASIC_AUTH")
     if auth:
         # Through the environment, not argv: a command line is visible to every local user.
         env["FLOWER_BASIC_AUTH"] = auth

@@ -45,17 +45,16 @@ def save_timing(client: Any, timing: CallTiming, ttl: int) -> None:
     """Write the record (one round trip); the hash expires with the session's results."""
     key = timing_key(timing.session_id)
     pipe = client.pipeline(transaction=False)
-    pipe.hset(key, timing.call_id, timing.model_dump_json())
+    # Call ids are unique within a turn only.
+    pipe.hset(key, f"{timing.turn_id}:{timing.call_id}", timing.model_dump_json())
     pipe.expire(key, ttl)
     pipe.execute()
 
 
-def read_timings(client: Any, session_id: str) -> dict[str, CallTiming]:
-    """Every call record of a session, by call id."""
-    raw = client.hgetall(timing_key(session_id))
-    return {
-        (k.decode() if isinstance(k, bytes) else k): CallTiming.model_validate_json(v) for k, v in raw.items()
-    }
+def read_timings(client: Any, session_id: str) -> dict[tuple[str, str], CallTiming]:
+    """Every call record of a session, by (turn id, call id)."""
+    found = (CallTiming.model_validate_json(v) for v in client.hvals(timing_key(session_id)))
+    return {(t.turn_id, t.call_id): t for t in found}
 
 
 __all__ = ["CallPhase", "CallTiming", "PREFIX", "read_timings", "save_timing", "timing_key"]
