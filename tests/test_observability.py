@@ -7,6 +7,7 @@ its spans as JSON lines to TOOLCHORD_TRACE_FILE and serves its metrics over HTTP
 from __future__ import annotations
 
 import json
+import os
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -187,3 +188,40 @@ def test_metrics_of_real_calls_are_scraped_over_http(start_worker, redis_url, tm
     assert delta("toolchord_turn_results_total", tool="slow", code="TIMEOUT") == 1
     assert delta("toolchord_turn_results_total", tool="where", code="NOT_EXECUTED") == 1
     assert _value(after, "toolchord_queue_depth", queue="b") == 1
+
+
+_WITHOUT_EXTRAS = """
+import importlib.abc, sys
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("opentelemetry", "prometheus_client"):
+            raise ImportError(f"{name} is blocked")
+        return None
+
+sys.meta_path.insert(0, Block())
+from orchestrator import Orchestrator
+from worker.config import Settings
+from worker.demo_tools import registry
+from worker.models import ToolCall
+from worker.observability import metrics
+from worker.observability.tracing import enabled
+
+assert not enabled() and metrics() is None
+orch = Orchestrator(registry, settings=Settings())
+turn = orch.run_calls("s-plain", [ToolCall(id="c1", name="lookup_order", arguments_raw='{"order_id": "A-1001"}')])
+print(turn.results[0].status)
+"""
+
+
+def test_without_the_extras_every_hook_is_a_no_op(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TOOLCHORD_", "PROMETHEUS_"))}
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_EXTRAS], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "ok"

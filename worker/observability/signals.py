@@ -36,6 +36,8 @@ log = logging.getLogger("toolchord.observability")
 
 METRICS_PORT_ENV = "TOOLCHORD_METRICS_PORT"
 METRICS_ADDRESS_ENV = "TOOLCHORD_METRICS_ADDRESS"
+# Two small Redis writes per call (start, end) feed the timeline page; `off` saves them.
+CALL_TIMELINE_ENV = "TOOLCHORD_CALL_TIMELINE"
 PUBLISHED_HEADER = "toolchord_published_at"
 _CALL_TASKS = {name: side_effect for side_effect, name in TASK_NAMES.items()}
 
@@ -61,8 +63,8 @@ def _on_publish(sender: str | None = None, headers: dict[str, Any] | None = None
 
 
 def _save(runtime: WorkerRuntime, timing: CallTiming) -> None:
-    if runtime.redis is None:
-        return  # embedded without Redis: no timeline page to feed
+    if runtime.redis is None or os.environ.get(CALL_TIMELINE_ENV, "on").lower() in ("0", "off", "false", "no"):
+        return  # embedded without Redis, or switched off: no timeline page to feed
     try:
         save_timing(runtime.redis, timing, runtime.settings.result_ttl)
     except redis.RedisError as exc:
@@ -155,4 +157,4 @@ def _forget_process(**_: Any) -> None:
     mark_process_dead(os.getpid())
 
 
-__all__ = ["METRICS_ADDRESS_ENV", "METRICS_PORT_ENV", "PUBLISHED_HEADER"]
+__all__ = ["CALL_TIMELINE_ENV", "METRICS_ADDRESS_ENV", "METRICS_PORT_ENV", "PUBLISHED_HEADER"]
