@@ -93,6 +93,8 @@ def test_a_fifty_call_session_appears_live_and_is_drawn(start_worker, redis_url,
         assert len(key) >= 32, title
         assert page.locator("section.turn .track .bar.code-ok").count() >= 47
         assert page.locator("section.turn .track .bar.code-TIMEOUT").count() == 2
+        # The five retried calls show their earlier attempts before the last one.
+        assert page.locator("section.turn .track .bar.seg-retrying").count() == 5
         shot = tmp_path / "ui-timeline.png"
         page.screenshot(path=str(shot), full_page=True)
         assert shot.stat().st_size > 10_000

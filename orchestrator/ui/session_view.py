@@ -29,13 +29,15 @@ BarPhase = Literal["queued", "running", "retrying", "done"]
 
 
 class CallBar(BaseModel):
-    """One call on the time axis: queued from dispatch to start, running to its end, then done."""
+    """One call on the time axis: queued from dispatch to its first start, earlier attempts and their
+    backoff up to the last attempt's start, running to its end, then done."""
 
     call_id: str
     tool: str
     side_effect: str | None = None
     key: str | None = None
     queued_at: float | None = None
+    first_started_at: float | None = None
     started_at: float | None = None
     finished_at: float | None = None
     worker: str | None = None
@@ -90,6 +92,7 @@ def recent_sessions(log: EventLog, limit: int = 200) -> list[SessionSummary]:
 def _apply_timing(bar: CallBar, timing: CallTiming) -> None:
     bar.key = timing.key
     bar.started_at = timing.started_at
+    bar.first_started_at = timing.first_started_at
     bar.worker = timing.worker
     bar.attempts = max(bar.attempts, timing.attempts)
     if bar.queued_at is None:

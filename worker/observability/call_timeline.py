@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from worker.models import SideEffect
 
@@ -29,7 +29,8 @@ class CallTiming(BaseModel):
     key: str
     queue: str | None = None
     published_at: float | None = None
-    started_at: float
+    started_at: float = Field(description="Start of the latest delivery.")
+    first_started_at: float | None = Field(default=None, description="Start of the first attempt.")
     finished_at: float | None = None
     worker: str | None = None
     attempts: int = 1
@@ -51,10 +52,16 @@ def save_timing(client: Any, timing: CallTiming, ttl: int) -> None:
     pipe.execute()
 
 
+def read_timing(client: Any, session_id: str, turn_id: str, call_id: str) -> CallTiming | None:
+    """One call's record, if written."""
+    raw = client.hget(timing_key(session_id), f"{turn_id}:{call_id}")
+    return CallTiming.model_validate_json(raw) if raw else None
+
+
 def read_timings(client: Any, session_id: str) -> dict[tuple[str, str], CallTiming]:
     """Every call record of a session, by (turn id, call id)."""
     found = (CallTiming.model_validate_json(v) for v in client.hvals(timing_key(session_id)))
     return {(t.turn_id, t.call_id): t for t in found}
 
 
-__all__ = ["CallPhase", "CallTiming", "PREFIX", "read_timings", "save_timing", "timing_key"]
+__all__ = ["CallPhase", "CallTiming", "PREFIX", "read_timing", "read_timings", "save_timing", "timing_key"]

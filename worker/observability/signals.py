@@ -24,7 +24,7 @@ from celery.signals import before_task_publish, celeryd_after_setup, task_postru
 from celery.signals import worker_process_init, worker_process_shutdown
 from pydantic import ValidationError
 
-from worker.observability.call_timeline import CallTiming, save_timing
+from worker.observability.call_timeline import CallTiming, read_timing, save_timing
 from worker.observability.metrics import QueueDepthCollector, mark_process_dead, metrics, result_code
 from worker.observability.metrics import start_server
 from worker.observability.tracing import OpenSpan, configure_from_env, inject
@@ -62,14 +62,34 @@ def _on_publish(sender: str | None = None, headers: dict[str, Any] | None = None
     headers[PUBLISHED_HEADER] = time.time()
 
 
+def _timeline(runtime: WorkerRuntime) -> redis.Redis | None:
+    """Where call timings go: None when embedded without Redis or switched off."""
+    if os.environ.get(CALL_TIMELINE_ENV, "on").lower() in ("0", "off", "false", "no"):
+        return None
+    return runtime.redis
+
+
 def _save(runtime: WorkerRuntime, timing: CallTiming) -> None:
-    if runtime.redis is None or os.environ.get(CALL_TIMELINE_ENV, "on").lower() in ("0", "off", "false", "no"):
-        return  # embedded without Redis, or switched off: no timeline page to feed
+    client = _timeline(runtime)
+    if client is None:
+        return
     try:
-        save_timing(runtime.redis, timing, runtime.settings.result_ttl)
+        save_timing(client, timing, runtime.settings.result_ttl)
     except redis.RedisError as exc:
         # The timeline is a view: a lost record must not touch the call.
         log.debug("call timing of %s not saved: %s", timing.call_id, exc)
+
+
+def _first_start(runtime: WorkerRuntime, payload: CallPayload, attempt: int, now: float) -> float:
+    """When the call's first attempt started (one read, on retries only)."""
+    client = _timeline(runtime)
+    if attempt == 1 or client is None:
+        return now
+    try:
+        earlier = read_timing(client, payload.session_id, payload.turn_id, payload.call.id)
+    except redis.RedisError:
+        return now
+    return (earlier.first_started_at or earlier.started_at) if earlier is not None else now
 
 
 @task_prerun.connect
@@ -92,6 +112,7 @@ def _on_prerun(task_id: str = "", task: Any = None, kwargs: dict[str, Any] | Non
         published_at=published if isinstance(published, (int, float)) else None,
         started_at=now, worker=request.hostname, attempts=request.retries + 1,
     )
+    timing.first_started_at = _first_start(runtime, payload, timing.attempts, now)
     span = OpenSpan("toolchord.call", request, {
         "toolchord.session_id": payload.session_id, "toolchord.turn_id": payload.turn_id,
         "toolchord.call_id": payload.call.id, "toolchord.tool": payload.call.name,
@@ -101,7 +122,8 @@ def _on_prerun(task_id: str = "", task: Any = None, kwargs: dict[str, Any] | Non
     with _open_lock:
         _open[task_id] = _Delivery(runtime, timing, span)
     m = metrics()
-    if m is not None and timing.published_at is not None:
+    # First attempts only: a retry's wait is mostly its backoff.
+    if m is not None and timing.published_at is not None and timing.attempts == 1:
         m.queue_seconds.labels(queue or "").observe(max(now - timing.published_at, 0.0))
     _save(runtime, timing)
 

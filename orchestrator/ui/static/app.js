@@ -44,7 +44,7 @@ function drawSessions(sessions) {
 }
 
 function legend() {
-  const items = [["queued", "seg-queued"], ["running", "seg-running"], ["retrying", "seg-retrying"]]
+  const items = [["queued", "seg-queued"], ["running", "seg-running"], ["earlier attempts", "seg-retrying"]]
     .concat(CODES.map((code) => [code, "code-" + code]));
   return el("div", { class: "legend" }, ...items.map(([text, cls]) => el("span", {}, el("i", { class: cls }), text)));
 }
@@ -53,7 +53,7 @@ function turnBounds(turn, now) {
   let start = turn.dispatched_at || turn.started_at;
   let end = start;
   for (const call of turn.calls) {
-    for (const t of [call.queued_at, call.started_at]) if (t) start = Math.min(start, t);
+    for (const t of [call.queued_at, call.first_started_at, call.started_at]) if (t) start = Math.min(start, t);
     end = Math.max(end, call.finished_at || (call.phase === "done" ? end : now));
   }
   return [start, Math.max(end - start, 0.05)];
@@ -87,9 +87,11 @@ function callRow(call, start, span, now) {
   const title = `${call.tool} ${call.call_id} · ${state} · ${key} · attempts ${call.attempts || 0} · ${call.worker || "no worker"}`;
   label.title = title;
   const track = el("div", { class: "track", title });
-  const queued = call.queued_at || call.started_at;
+  const queued = call.queued_at || call.first_started_at || call.started_at;
   const started = call.started_at || (call.phase === "queued" ? now : call.finished_at);
-  if (queued && started > queued) track.append(segment("seg-queued", queued, started, start, span, "queued " + seconds(started - queued)));
+  const first = Math.min(call.first_started_at || started, started);
+  if (queued && first > queued) track.append(segment("seg-queued", queued, first, start, span, "queued " + seconds(first - queued)));
+  if (first < started) track.append(segment("seg-retrying", first, started, start, span, "earlier attempts and backoff " + seconds(started - first)));
   if (call.started_at) {
     const end = call.phase === "done" && call.finished_at ? call.finished_at : now;
     const cls = call.phase === "done" ? "code-" + (call.code || "ok") : "seg-" + call.phase;
