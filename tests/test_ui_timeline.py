@@ -128,13 +128,47 @@ def test_the_page_asks_for_basic_auth_when_configured(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_toolchord_ui_refuses_a_public_address_without_auth(capsys: pytest.CaptureFixture[str]) -> None:
+def test_toolchord_ui_refuses_a_public_address_without_auth(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from orchestrator.cli import main
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLCHORD_UI_")}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(os, "environ", env)
-        with pytest.raises(SystemExit) as exited:
-            main(["ui", "--address", "0.0.0.0"])
+    monkeypatch.delenv("TOOLCHORD_UI_BASIC_AUTH", raising=False)
+    monkeypatch.delenv("TOOLCHORD_UI_BASIC_AUTH_FILE", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        main(["ui", "--address", "0.0.0.0"])
     assert exited.value.code == 2
     assert "TOOLCHORD_UI_BASIC_AUTH" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_demo_on_a_cluster_shows_up_on_the_page(start_worker, redis_url, clean_redis) -> None:
+    """The documented flow: `toolchord ui`, then `toolchord demo` with TOOLCHORD_BROKER_URL set."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, worker_env
+
+    start_worker("worker.demo_tools", name="demo-worker")
+    server = TimelineServer(RedisEventLog(redis_url), clean_redis, port=0)
+    server.start()
+    try:
+        env = worker_env(redis_url, "worker.demo_tools")
+        done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "demo"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "cluster runtime" in done.stdout.splitlines()[0]
+        session_id = json.loads(done.stdout.strip().splitlines()[-1])["session_id"]
+        with urllib.request.urlopen(server.url + "api/sessions", timeout=10) as response:
+            assert session_id in [s["session_id"] for s in json.load(response)]
+        with urllib.request.urlopen(server.url + "api/sessions/" + session_id, timeout=10) as response:
+            view = json.load(response)
+        calls = [c for turn in view["turns"] for c in turn["calls"]]
+        assert len(view["turns"]) == 3 and len(calls) == 7
+        ran = [c for c in calls if c["worker"]]
+        assert ran and all(c["worker"].startswith("demo-worker@") and c["key"] for c in ran)
+        assert {c["code"] for c in calls} >= {"ok", "TIMEOUT", "UNKNOWN_TOOL", "INVALID_ARGUMENTS"}
+        assert all(c["phase"] == "done" for c in calls)
+    finally:
+        server.stop()
