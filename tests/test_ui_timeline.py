@@ -155,7 +155,7 @@ def test_the_demo_on_a_cluster_shows_up_on_the_page(start_worker, redis_url, cle
     server.start()
     try:
         env = worker_env(redis_url, "worker.demo_tools")
-        done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "demo"], cwd=ROOT, env=env,
+        done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "demo"], check=False, cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         assert "cluster runtime" in done.stdout.splitlines()[0]

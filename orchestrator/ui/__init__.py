@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from orchestrator.ui.server import AUTH_ENV, TimelineServer
-from orchestrator.ui.session_view import CallBar, SessionSummary, SessionView, TurnView, recent_sessions, session_view
+from orchestrator.ui.session_view import (
+    CallBar,
+    SessionSummary,
+    SessionView,
+    TurnView,
+    recent_sessions,
+    session_view,
+)
 
 __all__ = [
     "AUTH_ENV",

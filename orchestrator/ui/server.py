@@ -52,7 +52,7 @@ class TimelineServer:
     @property
     def url(self) -> str:
         host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}/"
+        return f"http://{host!s}:{port}/"
 
     def authorized(self, header: str | None) -> bool:
         return self._expected is None or hmac.compare_digest((header or "").encode(), self._expected.encode())
@@ -82,7 +82,7 @@ class TimelineServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - the http.server naming
+            def do_GET(self) -> None:
                 if not server.authorized(self.headers.get("Authorization")):
                     self.send_response(HTTPStatus.UNAUTHORIZED)
                     self.send_header("WWW-Authenticate", 'Basic realm="toolchord"')
@@ -91,7 +91,7 @@ class TimelineServer:
                     return
                 try:
                     status, body, kind = server.answer(self.path.split("?", 1)[0])
-                except Exception:  # noqa: BLE001 - a page refresh must not kill the server
+                except Exception:
                     log.exception("toolchord ui: %s failed", self.path)
                     status, body, kind = HTTPStatus.INTERNAL_SERVER_ERROR, b"internal error", "text/plain"
                 self.send_response(status)
@@ -103,7 +103,7 @@ class TimelineServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the http.server signature
+            def log_message(self, format: str, *args: Any) -> None:
                 log.debug("toolchord ui: " + format, *args)
 
         return Handler

@@ -113,14 +113,14 @@ def session_view(log: EventLog, session_id: str, redis_client: Any | None = None
         if isinstance(event, ModelOutput) and event.call_ids:
             turns[event.turn_id] = TurnView(turn_id=event.turn_id, started_at=event.ts, calls=[])
         elif isinstance(event, CallParsed) and event.turn_id in turns:
-            bar = CallBar(call_id=event.call.id, tool=event.call.name, side_effect=event.side_effect)
-            bars[(event.turn_id, event.call.id)] = bar
-            turns[event.turn_id].calls.append(bar)
+            parsed = CallBar(call_id=event.call.id, tool=event.call.name, side_effect=event.side_effect)
+            bars[(event.turn_id, event.call.id)] = parsed
+            turns[event.turn_id].calls.append(parsed)
         elif isinstance(event, TurnDispatched) and event.turn_id in turns:
             turns[event.turn_id].dispatched_at = event.ts
             for call_id in event.call_ids:
-                if (bar := bars.get((event.turn_id, call_id))) is not None:
-                    bar.queued_at = event.ts
+                if (queued := bars.get((event.turn_id, call_id))) is not None:
+                    queued.queued_at = event.ts
         elif isinstance(event, CallResult) and (bar := bars.get((event.turn_id, event.result.call_id))):
             # The result the model got is the final word (a worker may have stored another later).
             bar.code, bar.phase = _code(event.result), "done"

@@ -8,7 +8,12 @@ from __future__ import annotations
 from worker.observability.call_timeline import CallTiming, read_timings
 from worker.observability.hooks import ObservedStore, observe_sandbox_run
 from worker.observability.metrics import QueueDepthCollector, metrics
-from worker.observability.tracing import TRACE_FILE_ENV, JsonLinesSpanExporter, configure_from_env, span
+from worker.observability.tracing import (
+    TRACE_FILE_ENV,
+    JsonLinesSpanExporter,
+    configure_from_env,
+    span,
+)
 
 __all__ = [
     "TRACE_FILE_ENV",

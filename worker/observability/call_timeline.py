@@ -64,4 +64,4 @@ def read_timings(client: Any, session_id: str) -> dict[tuple[str, str], CallTimi
     return {(t.turn_id, t.call_id): t for t in found}
 
 
-__all__ = ["CallPhase", "CallTiming", "PREFIX", "read_timing", "read_timings", "save_timing", "timing_key"]
+__all__ = ["PREFIX", "CallPhase", "CallTiming", "read_timing", "read_timings", "save_timing", "timing_key"]

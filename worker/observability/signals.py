@@ -20,13 +20,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from celery.signals import before_task_publish, celeryd_after_setup, task_postrun, task_prerun
-from celery.signals import worker_process_init, worker_process_shutdown
+from celery.signals import (
+    before_task_publish,
+    celeryd_after_setup,
+    task_postrun,
+    task_prerun,
+    worker_process_init,
+    worker_process_shutdown,
+)
 from pydantic import ValidationError
 
 from worker.observability.call_timeline import CallTiming, read_timing, save_timing
-from worker.observability.metrics import QueueDepthCollector, mark_process_dead, metrics, result_code
-from worker.observability.metrics import start_server
+from worker.observability.metrics import (
+    QueueDepthCollector,
+    mark_process_dead,
+    metrics,
+    result_code,
+    start_server,
+)
 from worker.observability.tracing import OpenSpan, configure_from_env, inject
 from worker.payloads import CallPayload
 from worker.tasks import TASK_NAMES
