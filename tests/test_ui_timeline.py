@@ -172,3 +172,29 @@ def test_the_demo_on_a_cluster_shows_up_on_the_page(start_worker, redis_url, cle
         assert all(c["phase"] == "done" for c in calls)
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_a_call_that_outlives_its_turn_ends_where_the_model_got_its_answer(start_worker, redis_url, clean_redis):
+    from orchestrator.eventlog import SessionRecorder
+    from orchestrator.ui import session_view
+    from tests.cluster_helpers import call, wait_for
+    from worker.observability.call_timeline import read_timings
+
+    start_worker(TOOLS)
+    log = RedisEventLog(redis_url)
+    recorder = SessionRecorder(log, "s-outlive")
+    calls = [call(0, "effect_read", key="outlive", seconds=3)]
+    recorder.model_output("chat", "scripted", "t-1", output={}, items=[], calls=calls)
+    recorder.dispatched("t-1", ["call_0"])
+    turn = orchestrator(redis_url, turn_timeout=1.0).run_calls("s-outlive", calls, turn_id="t-1")
+    recorder.result("t-1", turn.results[0])
+    assert turn.results[0].error.code.value == "TIMEOUT"
+
+    bar = session_view(log, "s-outlive", clean_redis).turns[0].calls[0]
+    # A worker still has it, but the model has its answer: the bar is done, with that answer.
+    assert (bar.phase, bar.code) == ("done", "TIMEOUT") and bar.worker and bar.started_at
+    wait_for(lambda: read_timings(clean_redis, "s-outlive")[("t-1", "call_0")].phase == "done", 30, "the late end")
+    bar = session_view(log, "s-outlive", clean_redis).turns[0].calls[0]
+    assert (bar.phase, bar.code) == ("done", "TIMEOUT")
+    assert bar.finished_at is not None and bar.finished_at - bar.started_at >= 2.5

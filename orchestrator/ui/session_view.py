@@ -101,8 +101,10 @@ def _apply_timing(bar: CallBar, timing: CallTiming) -> None:
         bar.finished_at = timing.finished_at
         bar.phase = "done"
         bar.code = bar.code or timing.code
-    else:
+    elif bar.phase != "done":
         bar.phase = "retrying" if timing.phase == "retrying" else "running"
+    # else: the turn answered for it (TIMEOUT, OUTCOME_UNKNOWN) while a worker had it, or its
+    # worker was lost mid-call: the bar ends where the model got its answer.
 
 
 def session_view(log: EventLog, session_id: str, redis_client: Any | None = None) -> SessionView:
