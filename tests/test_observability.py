@@ -31,7 +31,7 @@ SECRET = "s3cret-argument-value"
 
 
 @pytest.fixture(scope="module")
-def spans() -> InMemorySpanExporter:
+def spans() -> Iterator[InMemorySpanExporter]:
     """This process's spans (the global provider can be set once per process)."""
     exporter = InMemorySpanExporter()
     provider = trace.get_tracer_provider()
@@ -39,7 +39,9 @@ def spans() -> InMemorySpanExporter:
         provider = TracerProvider()
         trace.set_tracer_provider(provider)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return exporter
+    yield exporter
+    # Later tests in this process keep the provider; a stopped exporter keeps nothing of theirs.
+    exporter.shutdown()
 
 
 def _worker_spans(path: Path) -> list[dict[str, Any]]:
