@@ -1,6 +1,6 @@
 """The `toolchord` command line (console script `toolchord = orchestrator.cli:main`).
 
-Subcommands: worker, flower (Celery processes, see worker.launch), demo, run, replay, tools, bench,
+Subcommands: worker, flower (Celery processes, see worker.launch), demo, run, replay, tools, ui, bench,
 mcp serve (needs the `mcp` extra), approvals (list|approve|deny).
 `worker`, `flower` and `bench` hand their arguments on untouched: their own parsers (and Celery's)
 own those options.
@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("flower", help="start Flower on toolchord's app (options: toolchord flower --help)", add_help=False)
     sub.add_parser("bench", help=f"run a benchmark: {', '.join(_BENCHES)}", add_help=False)
 
-    demo = sub.add_parser("demo", help="a full multi-turn conversation, embedded, against a scripted model")
+    demo = sub.add_parser("demo", help="a full multi-turn conversation against a scripted model (embedded, or on the cluster when TOOLCHORD_BROKER_URL is set)")
     demo.add_argument("--provider", choices=PROVIDERS, default="chat")
     demo.add_argument("--stream", action="store_true", help="stream the model's answers")
     demo.add_argument("--log-dir", help="directory for the session log (default: $TOOLCHORD_LOG_DIR)")
@@ -70,6 +70,13 @@ def _parser() -> argparse.ArgumentParser:
         one.add_argument("call_id")
         one.add_argument("--by", required=True, help="who decides (recorded in the session log)")
         one.add_argument("--note", help="why (a denial's note is the reason the model reads)")
+
+    ui = sub.add_parser("ui", help="serve the session timeline page (loopback unless authenticated)")
+    ui.add_argument("--address", default="127.0.0.1")
+    ui.add_argument("--port", type=int, default=5556)
+    ui.add_argument("--basic-auth", help="user:password (prefer TOOLCHORD_UI_BASIC_AUTH or TOOLCHORD_UI_BASIC_AUTH_FILE)")
+    ui.add_argument("--redis-url", help="Redis with the event log, turns and call timings (default: the configured one)")
+    ui.add_argument("--log-dir", help="read a JSONL event log directory instead (embedded runs: no call timings)")
 
     tools = sub.add_parser("tools", help="print the tool declarations for a provider")
     tools.add_argument("--provider", choices=PROVIDERS, default="chat")
@@ -198,6 +205,31 @@ def _approvals(args: argparse.Namespace) -> int:
     print(f"{approval.session_id} {approval.call.id} {approval.tool}: {approval.state} by {approval.decided_by}")
     return 0 if approval.state == {"approve": "APPROVED", "deny": "DENIED"}[args.action] else 3
 
+def _ui(args: argparse.Namespace) -> int:
+    from orchestrator.eventlog import open_event_log
+    from orchestrator.ui import AUTH_ENV, TimelineServer
+    from worker.config import ConfigError, Settings
+    from worker.launch import basic_auth, refuse_open_access
+    from worker.redis_clients import redis_client
+
+    try:
+        auth = basic_auth(args.basic_auth, os.environ, AUTH_ENV)
+        refuse_open_access("the timeline page", args.address, bool(auth), AUTH_ENV)
+        redis_url = args.redis_url or (None if args.log_dir else Settings.from_env().redis_url)
+    except (ConfigError, OSError) as exc:
+        print(f"toolchord ui: {exc}", file=sys.stderr)
+        return 2
+    log = open_event_log(redis_url=redis_url, log_dir=args.log_dir)
+    # Sentinel-aware, like every other Redis client of toolchord.
+    client = redis_client(redis_url, master_name=os.environ.get("TOOLCHORD_REDIS_MASTER_NAME")) if redis_url else None
+    server = TimelineServer(log, client, args.address, args.port, auth)
+    print(f"toolchord ui on {server.url} ({'Redis' if client else 'JSONL log, no call timings'})", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
 
 def _tools(args: argparse.Namespace) -> int:
     print(json.dumps(_registry(args.tools).declarations(args.provider), indent=2, ensure_ascii=False))
@@ -244,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in _PASSTHROUGH:
         sys.exit(_passthrough(argv[0], argv[1:]))
     args = _parser().parse_args(argv)
-    handler = {"demo": _demo, "run": _run, "replay": _replay, "tools": _tools, "mcp": _mcp,
+    handler = {"demo": _demo, "run": _run, "replay": _replay, "tools": _tools, "ui": _ui, "mcp": _mcp,
                "approvals": _approvals}[args.command]
     sys.exit(handler(args))
 

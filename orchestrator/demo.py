@@ -15,6 +15,7 @@ from typing import TextIO
 from orchestrator.agent import Agent, AgentStep
 from orchestrator.eventlog import EventLog, open_event_log
 from orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, ScriptedTurn
+from worker.config import Settings
 from worker.models import ToolCall, ToolResult
 from worker.registry import Provider, Registry
 
@@ -93,7 +94,8 @@ def run_demo(*, provider: Provider = "chat", stream: bool = False, log: EventLog
 
     log = log if log is not None else open_event_log()
     timeline = Timeline(registry, out)
-    print(f"toolchord demo · provider {provider}{' (streaming)' if stream else ''} · embedded runtime", file=out)
+    runtime = "embedded runtime" if Settings.from_env().embedded else "cluster runtime (TOOLCHORD_BROKER_URL)"
+    print(f"toolchord demo · provider {provider}{' (streaming)' if stream else ''} · {runtime}", file=out)
     print(f"user: {DEMO_PROMPT}", file=out)
     with ScriptedModelServer(demo_script(), model="scripted-demo") as server:
         base_url = server.base_url if provider == "anthropic" else server.base_url + "/v1"

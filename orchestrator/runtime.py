@@ -23,6 +23,7 @@ from orchestrator.approval_store import Approval, MemoryApprovalStore, RedisAppr
 from orchestrator.approvals import ApprovalDesk, needs_approval
 from orchestrator.cancel_signals import announce_cancel, listen_for_cancels
 from orchestrator.eventlog import EventLog
+from orchestrator.observability import observed_turn
 from orchestrator.pipeline import PermissionHook, PreparedCall, prepare_call
 from orchestrator.providers import get_adapter
 from orchestrator.turn import DispatchedCall, LateCall, TurnRecord, TurnResult
@@ -414,6 +415,7 @@ class Orchestrator:
         # deadline, now waiting on the idempotency store, instead of synthesizing early.
         log.warning("the callback of turn %s ended %s; waiting for its calls' stored results", record.turn_id, status)
 
+    @observed_turn
     def run_calls(
         self, session_id: str, calls: list[ToolCall], *, turn_id: str | None = None, provider: Provider = "chat"
     ) -> TurnResult:
@@ -476,6 +478,7 @@ class Orchestrator:
             self._waiters[loop] = waiter
         return waiter
 
+    @observed_turn
     async def arun_calls(
         self, session_id: str, calls: list[ToolCall], *, turn_id: str | None = None, provider: Provider = "chat"
     ) -> TurnResult:

@@ -14,6 +14,7 @@ from typing import Any
 from celery import Celery
 
 from worker.config import Settings
+from worker.observability import signals as _observability  # noqa: F401 - connects its signal receivers
 from worker.redis_clients import is_redis_url, is_sentinel_url
 from worker.registry import Registry
 from worker.tasks import register_tasks

@@ -7,10 +7,12 @@ management and Flower behave exactly as Celery documents them.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import ipaddress
 import os
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Mapping, Sequence
 
 from worker.config import ConfigError, Settings
 
@@ -30,10 +32,14 @@ def worker_command(argv: Sequence[str] | None = None, env: dict[str, str] | None
     parser.add_argument("-c", "--concurrency", type=int, help="pool processes (default: CPU count)")
     parser.add_argument("-n", "--hostname", help="worker node name")
     parser.add_argument("--loglevel", default="INFO")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (needs toolchord[metrics])")
+    parser.add_argument("--metrics-address", default="127.0.0.1", help="address of the metrics endpoint")
     known, extra = parser.parse_known_args(argv)
     env = dict(os.environ if env is None else env)
     if known.tools:
         env["TOOLCHORD_TOOL_MODULES"] = known.tools
+    if known.metrics_port is not None:
+        _metrics_env(env, known.metrics_port, known.metrics_address)
     settings = Settings.from_env(env)
     if settings.embedded:
         raise ConfigError("toolchord worker needs TOOLCHORD_BROKER_URL: embedded mode runs its worker in-process")
@@ -52,6 +58,19 @@ def worker_command(argv: Sequence[str] | None = None, env: dict[str, str] | None
     return args + list(extra), env
 
 
+def _metrics_env(env: dict[str, str], port: int, address: str) -> None:
+    """Prefork children write their metrics to files the main process serves (prometheus-client's
+    multiprocess mode); the directory must be known before any process imports the client."""
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigError("--metrics-port needs prometheus-client: pip install 'toolchord[metrics]'")
+    env["TOOLCHORD_METRICS_PORT"] = str(port)
+    env["TOOLCHORD_METRICS_ADDRESS"] = address
+    directory = env.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="toolchord-metrics-"))
+    from worker.observability.metrics import wipe_multiprocess_dir
+
+    wipe_multiprocess_dir(directory)
+
+
 def run_worker(argv: Sequence[str] | None = None) -> int:
     """Start a prefork worker with the project's app and tool modules (does not return on success)."""
     try:
@@ -64,13 +83,31 @@ def run_worker(argv: Sequence[str] | None = None) -> int:
 
 
 def is_loopback(address: str) -> bool:
-    """Whether a listen address is on the loopback interface only."""
+    """Whether a listen address only accepts connections from this machine."""
     if address == "localhost":
         return True
     try:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
         return False
+
+
+def basic_auth(explicit: str | None, env: Mapping[str, str], variable: str) -> str | None:
+    """`user:password` from the option, else `$variable`, else the file named by `$variable_FILE`."""
+    auth = explicit or env.get(variable)
+    if not auth and env.get(f"{variable}_FILE"):
+        with open(env[f"{variable}_FILE"]) as handle:
+            auth = handle.read().strip()
+    return auth or None
+
+
+def refuse_open_access(what: str, address: str, authenticated: bool, variable: str) -> None:
+    """A page that shows every call is served off loopback only behind authentication."""
+    if not authenticated and not is_loopback(address):
+        raise ConfigError(
+            f"refusing to serve {what} on {address} without authentication: "
+            f"set {variable}=user:password (or bind to 127.0.0.1)"
+        )
 
 
 def flower_command(argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
@@ -84,16 +121,9 @@ def flower_command(argv: Sequence[str] | None = None, env: dict[str, str] | None
     parser.add_argument("--basic-auth", help="user:password (prefer FLOWER_BASIC_AUTH or FLOWER_BASIC_AUTH_FILE)")
     known, extra = parser.parse_known_args(argv)
     env = dict(os.environ if env is None else env)
-    auth = known.basic_auth or env.get("FLOWER_BASIC_AUTH")
-    if not auth and env.get("FLOWER_BASIC_AUTH_FILE"):
-        with open(env["FLOWER_BASIC_AUTH_FILE"]) as handle:
-            auth = handle.read().strip()
+    auth = basic_auth(known.basic_auth, env, "FLOWER_BASIC_AUTH")
     has_oauth = bool(env.get("FLOWER_AUTH_PROVIDER") or any(a.startswith("--auth") for a in extra))
-    if not auth and not has_oauth and not is_loopback(known.address):
-        raise ConfigError(
-            f"refusing to serve Flower on {known.address} without authentication: "
-            "set FLOWER_BASIC_AUTH=user:password (or bind to 127.0.0.1)"
-        )
+    refuse_open_access("Flower", known.address, bool(auth or has_oauth), "FLOWER_BASIC_AUTH")
     if auth:
         # Through the environment, not argv: a command line is visible to every local user.
         env["FLOWER_BASIC_AUTH"] = auth

@@ -13,6 +13,7 @@ from worker import errors
 from worker.context import ToolContext
 from worker.execution import HandlerOutcome
 from worker.models import ToolCall, ToolResult
+from worker.observability.hooks import observe_sandbox_run
 from worker.results import result_from_outcome
 from worker.sandbox import run_isolated
 from worker.spill import SessionSpill, SpillStore
@@ -32,7 +33,7 @@ def run_handler(
         args = spec.args_model.model_validate(arguments)
     except ValidationError as exc:
         return HandlerOutcome(status="error", started=False, error_type="ValidationError", error_message=str(exc))
-    return run_isolated(spec, args, context)
+    return observe_sandbox_run(spec, lambda: run_isolated(spec, args, context))
 
 
 def execute_call(

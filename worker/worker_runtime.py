@@ -15,6 +15,7 @@ from celery.signals import worker_init, worker_process_init, worker_ready
 
 from worker.config import Settings
 from worker.idempotency import IdempotencyStore, LeaseRenewer, MemoryIdempotencyStore, RedisIdempotencyStore
+from worker.observability.hooks import ObservedStore
 from worker.registry import Registry
 from worker.spill import MemorySpillStore, RedisSpillStore, SpillStore, read_output, set_spill_store
 
@@ -49,9 +50,9 @@ class WorkerRuntime:
     @cached_property
     def store(self) -> IdempotencyStore:
         if self._memory_store is not None:
-            return self._memory_store
+            return ObservedStore(self._memory_store)
         assert self.redis is not None
-        return RedisIdempotencyStore(self.redis)
+        return ObservedStore(RedisIdempotencyStore(self.redis))
 
     @cached_property
     def lease_renewer(self) -> LeaseRenewer:

@@ -1,0 +1,139 @@
+// The session timeline: polls the JSON API and draws each turn's calls as bars on a time axis.
+"use strict";
+
+const REFRESH_MS = 1000;
+const CODES = ["ok", "TIMEOUT", "OUTCOME_UNKNOWN", "NOT_EXECUTED", "EXECUTION_ERROR", "INVALID_ARGUMENTS", "CANCELLED"];
+let selected = decodeURIComponent(location.hash.slice(1));
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs || {})) {
+    if (name === "class") node.className = value;
+    else if (name === "style") Object.assign(node.style, value);
+    else node.setAttribute(name, value);
+  }
+  for (const child of children) node.append(child instanceof Node ? child : String(child ?? ""));
+  return node;
+}
+
+function clock(ts) {
+  return ts ? new Date(ts * 1000).toLocaleTimeString([], { hour12: false }) : "";
+}
+
+function seconds(value) {
+  return value < 1 ? `${Math.round(value * 1000)} ms` : `${value.toFixed(value < 10 ? 2 : 1)} s`;
+}
+
+function short(text, keep) {
+  return text && text.length > keep ? text.slice(0, keep - 1) + "…" : text || "";
+}
+
+async function fetchJson(url) {
+  const response = await fetch(url, { cache: "no-store" });
+  if (!response.ok) throw new Error(`${url}: ${response.status}`);
+  return response.json();
+}
+
+function drawSessions(sessions) {
+  const nav = document.getElementById("sessions");
+  nav.replaceChildren(...sessions.map((s) => {
+    const link = el("a", { href: "#" + encodeURIComponent(s.session_id), class: s.session_id === selected ? "active" : "" },
+      el("span", { class: "id" }, s.session_id), el("span", { class: "when" }, clock(s.last_activity)));
+    return link;
+  }));
+}
+
+function legend() {
+  const items = [["queued", "seg-queued"], ["running", "seg-running"], ["earlier attempts", "seg-retrying"]]
+    .concat(CODES.map((code) => [code, "code-" + code]));
+  return el("div", { class: "legend" }, ...items.map(([text, cls]) => el("span", {}, el("i", { class: cls }), text)));
+}
+
+function turnBounds(turn, now) {
+  let start = turn.dispatched_at || turn.started_at;
+  let end = start;
+  for (const call of turn.calls) {
+    for (const t of [call.queued_at, call.first_started_at, call.started_at]) if (t) start = Math.min(start, t);
+    end = Math.max(end, call.finished_at || (call.phase === "done" ? end : now));
+  }
+  return [start, Math.max(end - start, 0.05)];
+}
+
+function axis(span) {
+  const ticks = [];
+  const step = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300].find((s) => span / s <= 8) || 600;
+  for (let t = 0; t <= span + 1e-9; t += step) {
+    ticks.push(el("span", { class: "tick", style: { left: `${(t / span) * 100}%` } }, t === 0 ? "0" : "+" + seconds(t)));
+  }
+  return el("div", { class: "axis" }, ...ticks);
+}
+
+function segment(cls, from, to, start, span, title) {
+  const left = ((from - start) / span) * 100;
+  const width = Math.max(((to - from) / span) * 100, 0);
+  return el("div", { class: "bar " + cls, title, style: { left: `${left}%`, width: `${width}%` } });
+}
+
+function callRow(call, start, span, now) {
+  const state = call.phase === "done" ? call.code || "ok" : call.phase;
+  const label = el("div", { class: "label" },
+    el("span", { class: "tool", title: `${call.tool} (${call.side_effect || "not in registry"})` }, call.tool),
+    el("span", { class: "mono", title: call.call_id }, short(call.call_id, 18)),
+    el("span", { title: "attempts" }, call.attempts ? "×" + call.attempts : ""),
+    el("span", { class: "mono", title: call.worker || "" }, short(call.worker, 18)),
+    el("span", { class: "code code-" + state, title: call.late_code ? `late result: ${call.late_code}` : state },
+      short(state, 16)));
+  const key = call.key ? `key ${call.key}` : "no key";
+  const title = `${call.tool} ${call.call_id} · ${state} · ${key} · attempts ${call.attempts || 0} · ${call.worker || "no worker"}`;
+  label.title = title;
+  const track = el("div", { class: "track", title });
+  const queued = call.queued_at || call.first_started_at || call.started_at;
+  const started = call.started_at || (call.phase === "queued" ? now : call.finished_at);
+  const first = Math.min(call.first_started_at || started, started);
+  if (queued && first > queued) track.append(segment("seg-queued", queued, first, start, span, "queued " + seconds(first - queued)));
+  if (first < started) track.append(segment("seg-retrying", first, started, start, span, "earlier attempts and backoff " + seconds(started - first)));
+  if (call.started_at) {
+    const end = call.phase === "done" && call.finished_at ? call.finished_at : now;
+    const cls = call.phase === "done" ? "code-" + (call.code || "ok") : "seg-" + call.phase;
+    track.append(segment(cls, call.started_at, Math.max(end, call.started_at), start, span, `${state} ${seconds(end - call.started_at)}`));
+  }
+  return [label, track];
+}
+
+function drawTurn(turn, index, now) {
+  const [start, span] = turnBounds(turn, now);
+  const done = turn.calls.filter((c) => c.phase === "done").length;
+  const head = el("h2", {}, `turn ${index + 1}`,
+    el("span", { class: "meta" }, `${turn.turn_id.slice(0, 12)} · ${turn.calls.length} calls · ${done} done · ` +
+      `dispatched ${clock(turn.dispatched_at || turn.started_at)} · ${seconds(span)}`));
+  const grid = el("div", { class: "grid" },
+    el("div", { class: "labels-head" }, el("span", {}, "tool"), el("span", {}, "call id"), el("span", {}, "tries"),
+      el("span", {}, "worker"), el("span", {}, "result")),
+    axis(span));
+  for (const call of turn.calls) grid.append(...callRow(call, start, span, now));
+  return el("section", { class: "turn", "data-turn": turn.turn_id }, head, grid);
+}
+
+function drawSession(view) {
+  const main = document.getElementById("view");
+  const calls = view.turns.reduce((n, t) => n + t.calls.length, 0);
+  main.replaceChildren(el("h1", {}, `session ${view.session_id}`),
+    el("p", { class: "hint" }, `${view.turns.length} turns · ${calls} calls`), legend(),
+    ...view.turns.map((turn, i) => drawTurn(turn, i, view.now)));
+}
+
+async function refresh() {
+  const status = document.getElementById("status");
+  try {
+    drawSessions(await fetchJson("/api/sessions"));
+    if (selected) drawSession(await fetchJson("/api/sessions/" + encodeURIComponent(selected)));
+    status.textContent = "live · updated " + clock(Date.now() / 1000);
+    document.body.dataset.updated = String(Date.now());
+  } catch (error) {
+    status.textContent = "cannot reach the server: " + error.message;
+  }
+}
+
+window.addEventListener("hashchange", () => { selected = decodeURIComponent(location.hash.slice(1)); refresh(); });
+refresh();
+setInterval(refresh, REFRESH_MS);

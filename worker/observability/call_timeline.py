@@ -1,0 +1,67 @@
+"""When and where each call ran, kept in Redis for the session timeline page (`toolchord ui`).
+
+Workers write one JSON record per call into a hash per session: when a delivery starts (the bar
+turns from queued to running) and when it ends (the bar gets its result code). Only names, ids,
+times and codes: never arguments or output.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from worker.models import SideEffect
+
+PREFIX = "toolchord:calls:"
+
+CallPhase = Literal["running", "retrying", "done"]
+
+
+class CallTiming(BaseModel):
+    """One call's run as workers saw it (the latest delivery; `attempts` counts them all)."""
+
+    session_id: str
+    turn_id: str
+    call_id: str
+    tool: str
+    side_effect: SideEffect | None = None
+    key: str
+    queue: str | None = None
+    published_at: float | None = None
+    started_at: float = Field(description="Start of the latest delivery.")
+    first_started_at: float | None = Field(default=None, description="Start of the first attempt.")
+    finished_at: float | None = None
+    worker: str | None = None
+    attempts: int = 1
+    phase: CallPhase = "running"
+    code: str | None = None
+
+
+def timing_key(session_id: str) -> str:
+    return PREFIX + session_id
+
+
+def save_timing(client: Any, timing: CallTiming, ttl: int) -> None:
+    """Write the record (one round trip); the hash expires with the session's results."""
+    key = timing_key(timing.session_id)
+    pipe = client.pipeline(transaction=False)
+    # Call ids are unique within a turn only.
+    pipe.hset(key, f"{timing.turn_id}:{timing.call_id}", timing.model_dump_json())
+    pipe.expire(key, ttl)
+    pipe.execute()
+
+
+def read_timing(client: Any, session_id: str, turn_id: str, call_id: str) -> CallTiming | None:
+    """One call's record, if written."""
+    raw = client.hget(timing_key(session_id), f"{turn_id}:{call_id}")
+    return CallTiming.model_validate_json(raw) if raw else None
+
+
+def read_timings(client: Any, session_id: str) -> dict[tuple[str, str], CallTiming]:
+    """Every call record of a session, by (turn id, call id)."""
+    found = (CallTiming.model_validate_json(v) for v in client.hvals(timing_key(session_id)))
+    return {(t.turn_id, t.call_id): t for t in found}
+
+
+__all__ = ["PREFIX", "CallPhase", "CallTiming", "read_timing", "read_timings", "save_timing", "timing_key"]

@@ -1,0 +1,193 @@
+"""Celery signal receivers that observe toolchord calls without touching the task code.
+
+- `before_task_publish` (the orchestrator, or a worker retrying): the trace context and the publish
+  time go into the message headers.
+- `task_prerun` / `task_postrun` (the worker): a `toolchord.call` span per delivery, child of the
+  turn that published it; call metrics; the call's timing record for the timeline page.
+- `celeryd_after_setup` / `worker_process_init` / `worker_process_shutdown`: the metrics endpoint
+  and the trace exporter of `toolchord worker`.
+
+Importing this module connects the receivers (worker.celery_app does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery.signals import (
+    before_task_publish,
+    celeryd_after_setup,
+    task_postrun,
+    task_prerun,
+    worker_process_init,
+    worker_process_shutdown,
+)
+from pydantic import ValidationError
+
+from worker.observability.call_timeline import CallTiming, read_timing, save_timing
+from worker.observability.metrics import (
+    QueueDepthCollector,
+    mark_process_dead,
+    metrics,
+    result_code,
+    start_server,
+)
+from worker.observability.tracing import OpenSpan, configure_from_env, inject
+from worker.payloads import CallPayload
+from worker.tasks import TASK_NAMES
+from worker.worker_runtime import WorkerRuntime, runtime_of
+
+log = logging.getLogger("toolchord.observability")
+
+METRICS_PORT_ENV = "TOOLCHORD_METRICS_PORT"
+METRICS_ADDRESS_ENV = "TOOLCHORD_METRICS_ADDRESS"
+# Two small Redis writes per call (start, end) feed the timeline page; `off` saves them.
+CALL_TIMELINE_ENV = "TOOLCHORD_CALL_TIMELINE"
+PUBLISHED_HEADER = "toolchord_published_at"
+_CALL_TASKS = {name: side_effect for side_effect, name in TASK_NAMES.items()}
+
+
+@dataclass
+class _Delivery:
+    runtime: WorkerRuntime
+    timing: CallTiming
+    span: OpenSpan
+
+
+# Deliveries between prerun and postrun, by task id (thread pools run several at once).
+_open: dict[str, _Delivery] = {}
+_open_lock = threading.Lock()
+
+
+@before_task_publish.connect
+def _on_publish(sender: str | None = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+    if headers is None or not (sender or "").startswith("toolchord."):
+        return
+    inject(headers)
+    headers[PUBLISHED_HEADER] = time.time()
+
+
+def _timeline(runtime: WorkerRuntime) -> redis.Redis | None:
+    """Where call timings go: None when embedded without Redis or switched off."""
+    if os.environ.get(CALL_TIMELINE_ENV, "on").lower() in ("0", "off", "false", "no"):
+        return None
+    return runtime.redis
+
+
+def _save(runtime: WorkerRuntime, timing: CallTiming) -> None:
+    client = _timeline(runtime)
+    if client is None:
+        return
+    try:
+        save_timing(client, timing, runtime.settings.result_ttl)
+    except redis.RedisError as exc:
+        # The timeline is a view: a lost record must not touch the call.
+        log.debug("call timing of %s not saved: %s", timing.call_id, exc)
+
+
+def _first_start(runtime: WorkerRuntime, payload: CallPayload, attempt: int, now: float) -> float:
+    """When the call's first attempt started (one read, on retries only)."""
+    client = _timeline(runtime)
+    if attempt == 1 or client is None:
+        return now
+    try:
+        earlier = read_timing(client, payload.session_id, payload.turn_id, payload.call.id)
+    except redis.RedisError:
+        return now
+    return (earlier.first_started_at or earlier.started_at) if earlier is not None else now
+
+
+@task_prerun.connect
+def _on_prerun(task_id: str = "", task: Any = None, kwargs: dict[str, Any] | None = None, **_: Any) -> None:
+    side_effect = _CALL_TASKS.get(getattr(task, "name", ""))
+    if side_effect is None:
+        return
+    try:
+        payload = CallPayload.model_validate((kwargs or {}).get("payload"))
+        runtime = runtime_of(task.app)
+    except (ValidationError, TypeError):
+        return  # the task reports the bad payload itself
+    request = task.request
+    now = time.time()
+    published = getattr(request, PUBLISHED_HEADER, None)
+    queue = (request.delivery_info or {}).get("routing_key")
+    timing = CallTiming(
+        session_id=payload.session_id, turn_id=payload.turn_id, call_id=payload.call.id, tool=payload.call.name,
+        side_effect=side_effect, key=payload.key, queue=queue,
+        published_at=published if isinstance(published, (int, float)) else None,
+        started_at=now, worker=request.hostname, attempts=request.retries + 1,
+    )
+    timing.first_started_at = _first_start(runtime, payload, timing.attempts, now)
+    span = OpenSpan("toolchord.call", request, {
+        "toolchord.session_id": payload.session_id, "toolchord.turn_id": payload.turn_id,
+        "toolchord.call_id": payload.call.id, "toolchord.tool": payload.call.name,
+        "toolchord.side_effect": side_effect, "toolchord.attempt": timing.attempts,
+        "toolchord.worker": request.hostname, "celery.task_id": task_id,
+    })
+    with _open_lock:
+        _open[task_id] = _Delivery(runtime, timing, span)
+    m = metrics()
+    # First attempts only: a retry's wait is mostly its backoff.
+    if m is not None and timing.published_at is not None and timing.attempts == 1:
+        m.queue_seconds.labels(queue or "").observe(max(now - timing.published_at, 0.0))
+    _save(runtime, timing)
+
+
+@task_postrun.connect
+def _on_postrun(task_id: str = "", retval: Any = None, state: str | None = None, **_: Any) -> None:
+    with _open_lock:
+        delivery = _open.pop(task_id, None)
+    if delivery is None:
+        return
+    timing = delivery.timing
+    timing.finished_at = time.time()
+    m = metrics()
+    if state == "RETRY":
+        timing.phase = "retrying"
+        delivery.span.end({"toolchord.retry": True})
+        if m is not None:
+            m.retries.labels(timing.tool, timing.side_effect).inc()
+    else:
+        result = retval[-1] if isinstance(retval, list) and retval and isinstance(retval[-1], dict) else {}
+        timing.phase = "done"
+        timing.code = result_code(result) if result else "error"
+        timing.attempts = int(result.get("attempts") or timing.attempts)
+        failed = timing.code != "ok"
+        delivery.span.end({"toolchord.error_code": timing.code if failed else None}, error=failed)
+        if m is not None:
+            m.calls.labels(timing.tool, timing.side_effect, timing.code).inc()
+    if m is not None:
+        m.call_seconds.labels(timing.tool, timing.side_effect).observe(timing.finished_at - timing.started_at)
+    _save(delivery.runtime, timing)
+
+
+@celeryd_after_setup.connect
+def _serve_metrics(instance: Any = None, **_: Any) -> None:
+    # In the worker's main process, before the pool forks: the children write, this one serves
+    # (`toolchord worker --metrics-port` prepared the directory).
+    port = os.environ.get(METRICS_PORT_ENV)
+    if not port or instance is None:
+        return
+    queues = list(instance.app.amqp.queues.consume_from or instance.app.amqp.queues)
+    address = os.environ.get(METRICS_ADDRESS_ENV, "127.0.0.1")
+    start_server(int(port), address, [QueueDepthCollector(instance.app, queues)])
+    log.info("metrics on http://%s:%s/metrics", address, port)
+
+
+@worker_process_init.connect
+def _configure_tracing(**_: Any) -> None:
+    configure_from_env("toolchord-worker")
+
+
+@worker_process_shutdown.connect
+def _forget_process(**_: Any) -> None:
+    mark_process_dead(os.getpid())
+
+
+__all__ = ["CALL_TIMELINE_ENV", "METRICS_ADDRESS_ENV", "METRICS_PORT_ENV", "PUBLISHED_HEADER"]
