@@ -118,14 +118,7 @@ class History:
 
 def calls_in_items(provider: Provider, items: list[dict[str, Any]]) -> list[ToolCall]:
     """The calls of an assistant turn stored as request items (read with the provider's adapter)."""
-    adapter = get_adapter(provider)
-    if provider == "responses":
-        return adapter.parse_calls(items)
-    calls: list[ToolCall] = []
-    for item in items:
-        for call in adapter.parse_calls(item):
-            calls.append(call.model_copy(update={"index": len(calls)}))
-    return calls
+    return get_adapter(provider).calls_in_items(items)
 
 
 def _turn_calls(output: ModelOutput, parsed: dict[tuple[str, str], CallParsed]) -> list[ToolCall]:

@@ -6,7 +6,6 @@ Errors found here never reach a worker: they become results directly (DESIGN.md 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, SecretBytes, SecretStr, ValidationError
 
+from orchestrator.providers.plain_data import ArgumentsProblem, load_arguments
 from worker import errors
 from worker.context import ToolContext
 from worker.idempotency import idempotency_key
@@ -41,35 +41,17 @@ class PreparedCall(BaseModel):
     resource: str | None = None
 
 
-class _NotJsonConstant(ValueError):
-    """NaN/Infinity: Python's json reads them, but they are not JSON and no provider sends them."""
-
-
-def _reject_constant(name: str) -> Any:
-    raise _NotJsonConstant(name)
-
-
 def parse_arguments(call: ToolCall) -> dict[str, Any] | ToolResult:
     """The call's arguments as a JSON object, or an INVALID_JSON result.
 
-    The rules match the provider adapters' (orchestrator.providers.parse_arguments), so a call
-    that ran has the arguments the rebuilt history shows.
+    The rules are the provider adapters' (`orchestrator.providers.plain_data.load_arguments`), so a
+    call that ran has the arguments the rebuilt history shows: empty text means `{}`; NaN, Infinity
+    and lone surrogates are not JSON.
     """
-    raw = call.arguments_raw
-    if not raw.strip():
-        # Chat models send "" for tools without parameters.
-        return {}
     try:
-        value = json.loads(raw, parse_constant=_reject_constant)
-    except json.JSONDecodeError as exc:
-        return errors.error_result(call, errors.invalid_json(call, exc))
-    except _NotJsonConstant as exc:
-        return errors.error_result(call, errors.invalid_json(call, f"{exc} is not valid JSON (use a number or null)"))
-    except (ValueError, RecursionError) as exc:
-        return errors.error_result(call, errors.invalid_json(call, f"unreadable input ({type(exc).__name__})"))
-    if not isinstance(value, dict):
-        return errors.error_result(call, errors.invalid_json(call, f"got a JSON {type(value).__name__}, expected an object"))
-    return value
+        return load_arguments(call.arguments_raw)
+    except ArgumentsProblem as problem:
+        return errors.error_result(call, errors.invalid_json(call, str(problem)))
 
 
 def check_permission(call: ToolCall, spec: ToolSpec, hook: PermissionHook | None) -> ToolResult | None:

@@ -80,9 +80,9 @@ def test_invalid_json_input_is_kept_raw_not_raised(invalid: str) -> None:
     # Streamed input that is not a JSON object is kept wrapped, as Anthropic documents.
     (call,) = ADAPTER.parse_calls([tool_use("toolu_1", "f", {"INVALID_JSON": invalid})])
     assert (call.arguments_raw, call.arguments) == (invalid, None)
-    # Hand-written histories may carry the input as JSON text or a non-object.
+    # Hand-written histories may carry the input as text or a non-object: not an input, never parsed.
     (text_call,) = ADAPTER.parse_calls([tool_use("toolu_1", "f", invalid)])
-    assert (text_call.arguments_raw, text_call.arguments) == (invalid, None)
+    assert (text_call.arguments_raw, text_call.arguments) == (json.dumps(invalid), None)
     (list_call,) = ADAPTER.parse_calls([tool_use("toolu_1", "f", [1, 2])])
     assert (list_call.arguments_raw, list_call.arguments) == ("[1,2]", None)
 
