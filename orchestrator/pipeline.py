@@ -20,7 +20,7 @@ from worker.idempotency import idempotency_key
 from worker.models import ToolCall, ToolResult
 from worker.registry import Registry
 from worker.runner import execute_call
-from worker.spill import SpillStore, read_output, read_output_tool, spill_store
+from worker.spill import MemorySpillStore, SpillStore, read_output_tool
 from worker.tools import ToolSpec
 
 _log = logging.getLogger("toolchord.pipeline")
@@ -138,10 +138,11 @@ class Pipeline:
         # A copy, so the caller's registry is left as it was.
         self.registry = Registry(registry)
         self.permission_hook = permission_hook
-        self.spill = spill if spill is not None else spill_store()
+        # A store of its own unless given one: pipelines (and orchestrators) never share spills.
+        self.spill: SpillStore = spill if spill is not None else MemorySpillStore()
         # Cut outputs point the model at read_output; like the Orchestrator, make sure it exists,
         # reading the store this pipeline spills into.
-        self.registry.add_missing([read_output if spill is None else read_output_tool(spill)])
+        self.registry.add_missing([read_output_tool(self.spill)])
 
     def run(self, call: ToolCall, session_id: str = "local") -> ToolResult:
         """Exactly one result for the call; never raises for anything the model or handler did."""
