@@ -326,9 +326,12 @@ def tools_digest(tools: Iterable[ToolDeclaration]) -> str:
 # --- redaction of what goes into the log -------------------------------------------------------
 
 # Provider-signed or provider-opaque content: altering a byte makes the provider reject the history.
-_VERBATIM_TYPES = frozenset({"reasoning", "thinking", "redacted_thinking"})
+# OpenRouter's `reasoning_details` entries and Gemini's `thought_signature` are signed too.
+_VERBATIM_TYPES = frozenset({"reasoning", "thinking", "redacted_thinking", "reasoning.text", "reasoning.summary",
+                             "reasoning.encrypted"})
 _OPAQUE_KEYS = frozenset({"id", "call_id", "tool_call_id", "tool_use_id", "type", "role", "model", "signature",
-                          "encrypted_content", "status", "object", "finish_reason", "stop_reason", "name"})
+                          "thought_signature", "encrypted_content", "status", "object", "finish_reason",
+                          "stop_reason", "name"})
 
 
 def redact_json_text(text: str) -> str:

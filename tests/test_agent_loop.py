@@ -221,3 +221,27 @@ def test_toolchord_run_against_a_model_server(tmp_path: Path, provider: str) -> 
     assert done.returncode == 0, done.stderr[-3000:]
     assert "lookup_order" in done.stdout and "final answer: A-1001 has shipped." in done.stdout
     assert len(received) == 2 and "espresso machine" in json.dumps(received[1])
+
+
+EXTENSIONS = {"reasoning_content": "The user wants the weather; call the tool.",
+              "reasoning_details": [{"type": "reasoning.encrypted", "data": "opaque==", "index": 0}]}
+THOUGHT = {"extra_content": {"google": {"thought_signature": "c2lnbmF0dXJl"}}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_provider_extension_fields_go_back_in_the_next_request(
+    tmp_path: Path, orchestrator: Orchestrator, stream: bool
+) -> None:
+    # DeepSeek, OpenRouter and Gemini reject the next request when these are missing.
+    script = [ScriptedTurn(extra=EXTENSIONS, calls=[ScriptedCall(name="weather", arguments={"city": "Oslo"},
+                                                                 extra=THOUGHT)]),
+              ScriptedTurn(text="Sunny.")]
+    with ScriptedModelServer(script) as server:
+        agent = Agent(REGISTRY, model="scripted", base_url=base_url(server, "chat"), api_key="test",
+                      orchestrator=orchestrator, event_log=JsonlEventLog(tmp_path), stream=stream)
+        assert agent.run("Weather in Oslo?").text == "Sunny."
+        second = server.requests[1].body["messages"]
+    (assistant,) = [m for m in second if m["role"] == "assistant"]
+    assert {key: assistant[key] for key in EXTENSIONS} == EXTENSIONS
+    assert assistant["tool_calls"][0]["extra_content"] == THOUGHT["extra_content"]
+    assert "index" not in assistant["tool_calls"][0]
