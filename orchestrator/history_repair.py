@@ -33,6 +33,7 @@ from orchestrator.eventlog import (
 from orchestrator.providers import ProviderFormatError, get_adapter
 from worker import errors
 from worker.models import SideEffect, ToolCall, ToolResult
+from worker.policy import policy_of
 from worker.registry import Provider
 
 RESTORE_REASON = "the conversation was restored after an interruption before it started"
@@ -142,7 +143,7 @@ def synthesized_result(turn: Turn, call: ToolCall) -> ToolResult:
     """The deterministic result of a call that has none: depends only on the log."""
     if call.id not in turn.started:
         error = errors.not_executed(call, RESTORE_REASON)
-    elif turn.side_effects.get(call.id) == "unsafe":
+    elif policy_of(turn.side_effects.get(call.id)).unobserved_is_unknown:
         error = errors.outcome_unknown(call, "the conversation was restored after an interruption")
     else:
         error = errors.aborted(call)
