@@ -104,6 +104,9 @@ class Agent:
         self.stream = stream
         self.request_options = dict(request_options or {})
         self.on_step = on_step
+        # Built once: every run declares the same tools (the orchestrator copied the registry too).
+        self._declared = declarations_from_registry(registry)
+        self._tools_digest = tools_digest(self._declared)
 
     # -- one step, split around the two waits (model, runtime) so run and arun share it --------
 
@@ -111,8 +114,7 @@ class Agent:
         session_id = session_id or uuid.uuid4().hex
         recorder = SessionRecorder(self.log, session_id, self.registry)
         events = self.log.read(session_id)
-        declared = declarations_from_registry(self.registry)
-        digest = tools_digest(declared)
+        declared, digest = self._declared, self._tools_digest
         if not any(isinstance(e, SessionStarted) for e in events):
             recorder.append(SessionStarted(provider=self.provider, model=self.model, system=self.system,
                                            request_options=self.request_options))

@@ -86,7 +86,7 @@ def _with_secrets(value: Any, dumped: Any) -> Any:
     if isinstance(value, BaseModel) and isinstance(dumped, dict):
         return {key: _with_secrets(getattr(value, key, None), item) for key, item in dumped.items()}
     if isinstance(value, (list, tuple)) and isinstance(dumped, list) and len(value) == len(dumped):
-        return [_with_secrets(v, d) for v, d in zip(value, dumped)]
+        return [_with_secrets(v, d) for v, d in zip(value, dumped, strict=True)]
     if isinstance(value, dict) and isinstance(dumped, dict):
         return {key: _with_secrets(value.get(key), item) for key, item in dumped.items()}
     return dumped

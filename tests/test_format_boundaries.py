@@ -13,11 +13,11 @@ from typing import Any, get_args
 
 import pytest
 
+from orchestrator.eventlog import SessionStarted
+from orchestrator.history_repair import History
 from orchestrator.model_clients import make_model_client
 from orchestrator.providers import ProviderAdapter, get_adapter
 from orchestrator.request_builder import render
-from orchestrator.history_repair import History
-from orchestrator.eventlog import SessionStarted
 from worker import Provider, Registry, SideEffect, declaration, tool
 from worker.celery_app import create_app
 from worker.config import Settings

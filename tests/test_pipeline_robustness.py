@@ -25,7 +25,7 @@ def lookup(name: str, limit: int = 3, exact: bool = False) -> str:
 
 
 @tool(side_effect="read", sandbox={"isolate": False})
-def choose(value: int | str, maybe: int | None = None, items: list[int | bool] = []) -> str:
+def choose(value: int | str, maybe: int | None = None, items: list[int | bool] = []) -> str:  # noqa: B006 - a list default, as a model would declare
     """Take a union."""
     return repr(value)
 

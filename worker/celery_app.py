@@ -142,6 +142,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     return app
 
 
+app: Celery  # built on first access by __getattr__ below (annotation only: no value at import)
 _app: Celery | None = None
 _app_lock = threading.Lock()
 

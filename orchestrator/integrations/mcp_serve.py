@@ -21,6 +21,7 @@ from worker.policy import policy_of
 from worker.schema import parameters_schema
 from worker.tools import ToolSpec
 
+
 def _annotations(spec: ToolSpec) -> types.ToolAnnotations:
     """The side-effect class's policy as MCP hints (a read-only tool is neither destructive nor not)."""
     policy = policy_of(spec.side_effect)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.providers.pairing import PairingEntry, check_entries
 from orchestrator.providers.plain_data import (
     DeltaFields,
     as_list,
@@ -23,7 +24,6 @@ from orchestrator.providers.plain_data import (
     to_plain,
     without_nulls,
 )
-from orchestrator.providers.pairing import PairingEntry, check_entries
 from orchestrator.providers.protocol import AssistantText, PairingError, ProviderFormatError, ProviderName
 from worker.models import ToolCall, ToolResult
 from worker.registry import ToolDeclaration

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.providers.pairing import PairingEntry, check_entries
 from orchestrator.providers.plain_data import (
     as_list,
     as_mapping,
@@ -21,7 +22,6 @@ from orchestrator.providers.plain_data import (
     to_plain,
     without_nulls,
 )
-from orchestrator.providers.pairing import PairingEntry, check_entries
 from orchestrator.providers.protocol import AssistantText, ProviderFormatError, ProviderName
 from worker.models import ToolCall, ToolResult
 from worker.registry import ToolDeclaration
