@@ -99,14 +99,14 @@ class History:
         for seq, event in enumerate(events):
             if not isinstance(event, CallResult):
                 continue
-            turn = turns.get(event.turn_id)
+            owner = turns.get(event.turn_id)
             call_id = event.result.call_id
-            if turn is None or all(call.id != call_id for call in turn.calls):
+            if owner is None or all(call.id != call_id for call in owner.calls):
                 history.orphans.append(seq)
-            elif call_id in turn.results:
+            elif call_id in owner.results:
                 history.duplicates.append(seq)
             else:
-                turn.results[call_id] = event.result
+                owner.results[call_id] = event.result
         return history
 
     @property

@@ -16,7 +16,7 @@ from typing import Any, Self
 
 from pydantic import BaseModel, Field
 
-_JSON = {"ensure_ascii": False, "separators": (",", ":")}
+_JSON: dict[str, Any] = {"ensure_ascii": False, "separators": (",", ":")}
 
 
 class ScriptedCall(BaseModel):
@@ -274,7 +274,7 @@ class ScriptedModelServer:
     @property
     def base_url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     @property
     def remaining(self) -> int:
@@ -293,7 +293,8 @@ class ScriptedModelServer:
             self._thread.join(timeout=5)
 
     def __enter__(self) -> Self:
-        return self.start()
+        self.start()
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

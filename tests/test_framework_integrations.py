@@ -113,7 +113,7 @@ def test_unsafe_call_not_run_twice_when_the_worker_dies_and_the_run_is_retried(
 
     async def scenario() -> str:
         with ScriptedModelServer(script) as server:
-            first = asyncio.create_task(run_agent(orch, server, "s-retry"))
+            first = asyncio.ensure_future(run_agent(orch, server, "s-retry"))
             while effects(clean_redis, "k-once") == 0:
                 assert not first.done(), first
                 await asyncio.sleep(0.05)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, SecretStr
 from orchestrator.pipeline import Pipeline
 from orchestrator.providers import get_adapter
 from tests import pipeline_tools as t
-from worker import ErrorCode, Registry, ToolCall, ToolResult, tool
+from worker import ErrorCode, Provider, Registry, ToolCall, ToolResult, tool
 
 
 @tool(side_effect="read", sandbox={"isolate": False})
@@ -225,7 +225,7 @@ def test_anthropic_streamed_invalid_json_becomes_invalid_json_result() -> None:
 
 
 @pytest.mark.parametrize("provider", ["chat", "responses"])
-def test_streamed_truncated_arguments_become_invalid_json(provider: str) -> None:
+def test_streamed_truncated_arguments_become_invalid_json(provider: Provider) -> None:
     accumulator = get_adapter(provider).stream_accumulator()
     if provider == "chat":
         events: list[dict[str, Any]] = [

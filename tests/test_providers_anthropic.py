@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from orchestrator.providers import AnthropicMessagesAdapter, ProviderFormatError, get_adapter
+from orchestrator.providers import AnthropicMessagesAdapter, ProviderFormatError
 from worker.models import ErrorCode, ToolCall, ToolError, ToolResult
 
-ADAPTER = get_adapter("anthropic")
+ADAPTER = AnthropicMessagesAdapter()
 
 
 def tool_use(call_id: str, name: str, arguments: Any) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from worker.models import ErrorCode, ToolCall, ToolError, ToolResult
 
 ADAPTER = get_adapter("responses")
 
-REASONING = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAA-opaque", "status": None}
+REASONING: dict[str, Any] = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAA-opaque", "status": None}
 
 
 def function_call(call_id: str, name: str, arguments: str, item_id: str | None = None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import anthropic
 import openai
 import pytest
 
-from orchestrator.providers import get_adapter
+from orchestrator.providers import AnthropicMessagesAdapter, get_adapter
 from worker.models import ToolCall, ToolResult
 
 
@@ -157,7 +157,7 @@ def test_chat_completions_round_trip(server: ScriptedServer) -> None:
             ],
         }
     )
-    completion = client.chat.completions.create(model="m", messages=history)
+    completion = client.chat.completions.create(model="m", messages=history)  # type: ignore[arg-type]
     assert server.requests[-1]["messages"] == history
     assert [message["role"] for message in history] == ["user", "assistant", "tool", "tool"]
     assert adapter.parse_calls(completion) == [
@@ -168,7 +168,7 @@ def test_chat_completions_round_trip(server: ScriptedServer) -> None:
 
 def test_anthropic_messages_round_trip(server: ScriptedServer) -> None:
     adapter = get_adapter("anthropic")
-    start_message = {
+    start_message: dict[str, Any] = {
         "id": "msg_1",
         "type": "message",
         "role": "assistant",
@@ -228,7 +228,7 @@ def test_anthropic_messages_round_trip(server: ScriptedServer) -> None:
     history = [
         {"role": "user", "content": "go"},
         *adapter.assistant_items(accumulator.assistant_output()),
-        *adapter.result_items(results_for(calls), extra_content="Now summarize."),
+        *AnthropicMessagesAdapter().result_items(results_for(calls), extra_content="Now summarize."),
     ]
     assert history[1]["content"][0] == {"type": "thinking", "thinking": "Need both.", "signature": "sig=="}
     server.replies.append(
@@ -239,7 +239,7 @@ def test_anthropic_messages_round_trip(server: ScriptedServer) -> None:
             "content": [{"type": "tool_use", "id": "toolu_c", "name": "f", "input": {"a": []}}],
         }
     )
-    reply = client.messages.create(model="m", max_tokens=100, messages=history)
+    reply = client.messages.create(model="m", max_tokens=100, messages=history)  # type: ignore[arg-type]
     assert server.requests[-1]["messages"] == history
     assert [block["type"] for block in history[2]["content"]] == ["tool_result", "tool_result", "text"]
     assert adapter.parse_calls(reply) == [
@@ -309,6 +309,6 @@ def test_responses_round_trip(server: ScriptedServer) -> None:
     server.replies.append(
         {**base, "id": "resp_2", "status": "completed", "output": [{**call_a, "id": "fc_2", "call_id": "call_b"}]}
     )
-    response = client.responses.create(model="m", input=history)
+    response = client.responses.create(model="m", input=history)  # type: ignore[arg-type]
     assert server.requests[-1]["input"] == history
     assert [(c.id, c.arguments_raw) for c in adapter.parse_calls(response)] == [("call_b", '{"q": "x"}')]

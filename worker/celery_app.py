@@ -136,7 +136,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app = ToolchordCelery("toolchord", set_as_current=False)
     app.conf.update(_celery_config(settings))
     app.whole_second_countdowns = settings.broker_kind == "amqp"
-    runtime = app.toolchord = WorkerRuntime(settings, tools)  # type: ignore[attr-defined]
+    runtime = app.toolchord = WorkerRuntime(settings, tools)
     app.conf.task_default_queue = runtime.queue()
     register_tasks(app)
     return app

@@ -42,7 +42,7 @@ SIDE_EFFECT_POLICIES: dict[SideEffect, SideEffectPolicy] = {
                                deadline_attempts=1, read_only=False),
 }
 
-_BY_NAME: dict[str, SideEffectPolicy] = dict(SIDE_EFFECT_POLICIES)
+_BY_NAME: dict[str, SideEffectPolicy] = {str(name): policy for name, policy in SIDE_EFFECT_POLICIES.items()}
 
 
 def policy_of(side_effect: SideEffect | str | None) -> SideEffectPolicy:

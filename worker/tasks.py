@@ -130,11 +130,11 @@ class CallExecution:
         outcome = self._run_handler(spec, token)
         spill = SessionSpill(self.rt.spill, self.p.session_id)
         result = result_from_outcome(self.call, spec, outcome, attempts=self.attempt, spill=spill)
-        countdown = self._retry_countdown(spec, outcome)
-        if countdown is not None:
+        retry_in = self._retry_countdown(spec, outcome)
+        if retry_in is not None:
             forget = not outcome.started or policy_of(spec.side_effect).repeatable
             store.release(self.p.key, token, forget_start=forget)
-            raise _Retry(countdown, f"{outcome.status}: {outcome.error_type}")
+            raise _Retry(retry_in, f"{outcome.status}: {outcome.error_type}")
         return self._store(token, result)
 
     def _claim_or_wait(self, token: str) -> Claim:
