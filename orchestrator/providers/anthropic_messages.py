@@ -16,10 +16,11 @@ from orchestrator.providers.plain_data import (
     as_mapping,
     check_unique_ids,
     compact_json,
+    indexed_across,
+    messages_text,
     parse_arguments,
     read_arguments,
     required_text,
-    text_parts,
     to_plain,
     without_nulls,
 )
@@ -184,18 +185,11 @@ class AnthropicMessagesAdapter:
 
     def calls_in_items(self, items: list[dict[str, Any]]) -> list[ToolCall]:
         """The calls of every stored message, indexed across them."""
-        calls = [call for item in items for call in _read_calls(_content_blocks(item))]
-        return [call.model_copy(update={"index": index}) for index, call in enumerate(calls)]
+        return indexed_across([call for item in items for call in _read_calls(_content_blocks(item))])
 
     def assistant_text(self, items: list[dict[str, Any]]) -> AssistantText:
         """The text blocks; thinking and redacted_thinking blocks are counted, not kept."""
-        texts: list[str] = []
-        reasoning = 0
-        for item in items:
-            found, parts = text_parts(item.get("content"), _REASONING_BLOCKS)
-            texts += found
-            reasoning += parts
-        return AssistantText(texts, reasoning)
+        return messages_text(items, _REASONING_BLOCKS)
 
     def assistant_turn(self, texts: list[str], calls: list[ToolCall]) -> list[dict[str, Any]]:
         """One assistant message: a text block per text, then a tool_use block per call."""

@@ -17,10 +17,11 @@ from orchestrator.providers.plain_data import (
     call_arguments_json,
     check_unique_ids,
     function_declaration,
+    indexed_across,
+    messages_text,
     read_arguments,
     replayable_arguments,
     required_text,
-    text_parts,
     to_plain,
     without_nulls,
 )
@@ -157,18 +158,11 @@ class ChatCompletionsAdapter:
 
     def calls_in_items(self, items: list[dict[str, Any]]) -> list[ToolCall]:
         """The calls of every stored message, indexed across them."""
-        calls = [call for item in items for call in _read_calls(_assistant_message(item))]
-        return [call.model_copy(update={"index": index}) for index, call in enumerate(calls)]
+        return indexed_across([call for item in items for call in _read_calls(_assistant_message(item))])
 
     def assistant_text(self, items: list[dict[str, Any]]) -> AssistantText:
         """Content text; reasoning parts and reasoning extension fields are counted, not kept."""
-        texts: list[str] = []
-        reasoning = 0
-        for item in items:
-            found, parts = text_parts(item.get("content"), _REASONING_PART_TYPES)
-            texts += found
-            reasoning += parts + sum(1 for key in _REASONING_FIELDS if item.get(key))
-        return AssistantText(texts, reasoning)
+        return messages_text(items, _REASONING_PART_TYPES, _REASONING_FIELDS)
 
     def assistant_turn(self, texts: list[str], calls: list[ToolCall]) -> list[dict[str, Any]]:
         """One assistant message: the text joined, then the calls."""

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from orchestrator.providers.protocol import ProviderFormatError
+from orchestrator.providers.protocol import AssistantText, ProviderFormatError
 from worker.models import ToolCall
 from worker.registry import ToolDeclaration
 
@@ -160,6 +160,23 @@ def text_parts(content: Any, reasoning_types: frozenset[str]) -> tuple[list[str]
         elif isinstance(part.get("text"), str) and part["text"]:
             texts.append(part["text"])
     return texts, reasoning
+
+
+def messages_text(messages: list[dict[str, Any]], reasoning_types: frozenset[str],
+                  reasoning_fields: tuple[str, ...] = ()) -> AssistantText:
+    """The text of stored assistant messages, counting reasoning parts and reasoning fields."""
+    texts: list[str] = []
+    reasoning = 0
+    for message in messages:
+        found, parts = text_parts(message.get("content"), reasoning_types)
+        texts += found
+        reasoning += parts + sum(1 for key in reasoning_fields if message.get(key))
+    return AssistantText(texts, reasoning)
+
+
+def indexed_across(calls: list[ToolCall]) -> list[ToolCall]:
+    """Calls of several stored messages of one turn, indexed by their position among all of them."""
+    return [call.model_copy(update={"index": index}) for index, call in enumerate(calls)]
 
 
 def as_mapping(value: Any, what: str) -> dict[str, Any]:
