@@ -95,17 +95,15 @@ def _without(data: dict[str, Any], keys: frozenset[str]) -> dict[str, Any]:
 
 
 def _request_call(call: Any) -> Any:
-    """A tool call as a request takes it: response-only fields out, unreadable arguments as `{}`."""
+    """A tool call as a request takes it: response-only fields out, function arguments that are not
+    a JSON object as `{}` (a custom tool's freeform input is text by design: kept)."""
     if not isinstance(call, dict):
         return call
     request = _without(call, _RESPONSE_ONLY_CALL_FIELDS)
-    for body_key, text_key in (("function", "arguments"), ("custom", "input")):
-        body = request.get(body_key)
-        if isinstance(body, dict):
-            body = _without(body, _RESPONSE_ONLY_FUNCTION_FIELDS)
-            if body_key == "function":
-                body[text_key] = replayable_arguments(body.get(text_key))
-            request[body_key] = body
+    function = request.get("function")
+    if isinstance(function, dict):
+        request["function"] = {**_without(function, _RESPONSE_ONLY_FUNCTION_FIELDS),
+                               "arguments": replayable_arguments(function.get("arguments"))}
     return request
 
 
