@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, TypedDict
+from typing import Annotated, Any, TypedDict, cast
 
 from langchain_core.messages import (
     AIMessage,
@@ -85,7 +85,10 @@ def build_graph(client: OpenAI, tools: ToolchordToolNode, model: str = "scripted
 
     def call_model(state: State) -> dict[str, list[AnyMessage]]:
         response = client.chat.completions.create(
-            model=model, messages=convert_to_openai_messages(state["messages"]), tools=tools.tool_schemas
+            # Plain JSON messages and tool declarations: what the SDK's TypedDict parameters describe.
+            model=model,
+            messages=cast(Any, convert_to_openai_messages(state["messages"])),
+            tools=cast(Any, tools.tool_schemas),
         )
         return {"messages": [ai_message(response.choices[0].message)]}
 

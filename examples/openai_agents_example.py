@@ -9,6 +9,7 @@ toolchord embedded (no Redis, no key); docs/integrations/openai-agents.md explai
 from __future__ import annotations
 
 import asyncio
+from typing import Any, cast
 
 from agents import Agent, OpenAIChatCompletionsModel, Runner
 from agents.items import ToolCallItem, ToolCallOutputItem
@@ -28,10 +29,12 @@ async def main() -> None:
         agent = Agent(name="shop assistant", instructions=DEMO_SYSTEM, tools=tools.tools,
                       model=OpenAIChatCompletionsModel(model="scripted", openai_client=client))
         result = await Runner.run(agent, DEMO_PROMPT, run_config=tools.run_config(tracing_disabled=True))
-    names = {item.raw_item.call_id: item.raw_item.name for item in result.new_items if isinstance(item, ToolCallItem)}
+    # raw items are the SDK's unions of every tool kind; these are function calls and their outputs.
+    calls: list[Any] = [item.raw_item for item in result.new_items if isinstance(item, ToolCallItem)]
+    names = {raw.call_id: raw.name for raw in calls}
     for item in result.new_items:
         if isinstance(item, ToolCallOutputItem):
-            call_id = item.raw_item["call_id"]
+            call_id = cast(Any, item.raw_item)["call_id"]
             print(f"{call_id} {names[call_id]} → {str(item.output).splitlines()[0]}")
     print(f"final answer: {result.final_output}")
     await orchestrator.aclose()

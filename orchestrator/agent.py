@@ -111,6 +111,9 @@ class Agent:
         self.stream = stream
         self.request_options = dict(request_options or {})
         self.on_step = on_step
+        # Built once: every run declares the same tools (the orchestrator copied the registry too).
+        self._declared = declarations_from_registry(registry)
+        self._tools_digest = tools_digest(self._declared)
 
     # -- one step, split around the two waits (model, runtime) so run and arun share it --------
 
@@ -120,8 +123,7 @@ class Agent:
         events = self.log.read(session_id)
         if turns_awaiting(events, self.orchestrator.approvals.store, session_id):
             raise SessionWaiting(f"session {session_id} has calls waiting for a decision: decide them, then resume it")
-        declared = declarations_from_registry(self.registry)
-        digest = tools_digest(declared)
+        declared, digest = self._declared, self._tools_digest
         if not any(isinstance(e, SessionStarted) for e in events):
             recorder.append(SessionStarted(provider=self.provider, model=self.model, system=self.system,
                                            request_options=self.request_options))

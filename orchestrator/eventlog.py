@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field, TypeAdapter
 
 from worker.models import SideEffect, ToolCall, ToolResult
 from worker.redaction import MASK, is_secret_key, redact, redact_text
-from worker.registry import Provider, Registry
+from worker.registry import Provider, Registry, ToolDeclaration
 
 LOG_DIR_ENV = "TOOLCHORD_LOG_DIR"
 DEFAULT_LOG_DIR = ".toolchord/logs"
@@ -49,15 +49,6 @@ class SessionStarted(_Event):
     system: str | None = None
     request_options: dict[str, Any] = Field(
         default_factory=dict, description="Extra request fields (max_tokens, temperature, ...), in this order.")
-
-
-class ToolDeclaration(BaseModel):
-    """A tool as declared to the model, provider-neutral (rendered per provider by the builder)."""
-
-    name: str
-    description: str
-    parameters: dict[str, Any]
-    strict: bool = False
 
 
 class ToolsDeclared(_Event):
@@ -359,9 +350,12 @@ def tools_digest(tools: Iterable[ToolDeclaration]) -> str:
 # --- redaction of what goes into the log -------------------------------------------------------
 
 # Provider-signed or provider-opaque content: altering a byte makes the provider reject the history.
-_VERBATIM_TYPES = frozenset({"reasoning", "thinking", "redacted_thinking"})
+# OpenRouter's `reasoning_details` entries and Gemini's `thought_signature` are signed too.
+_VERBATIM_TYPES = frozenset({"reasoning", "thinking", "redacted_thinking", "reasoning.text", "reasoning.summary",
+                             "reasoning.encrypted"})
 _OPAQUE_KEYS = frozenset({"id", "call_id", "tool_call_id", "tool_use_id", "type", "role", "model", "signature",
-                          "encrypted_content", "status", "object", "finish_reason", "stop_reason", "name"})
+                          "thought_signature", "encrypted_content", "status", "object", "finish_reason",
+                          "stop_reason", "name"})
 
 
 def redact_json_text(text: str) -> str:
@@ -508,14 +502,7 @@ class SessionRecorder:
 
 def declarations_from_registry(registry: Registry) -> list[ToolDeclaration]:
     """Provider-neutral declarations of a registry's tools, in registry order."""
-    from worker.schema import parameters_schema, strict_compatible
-
-    out = []
-    for spec in registry:
-        params = parameters_schema(spec.args_model)
-        out.append(ToolDeclaration(name=spec.name, description=spec.description, parameters=params,
-                                   strict=strict_compatible(params)))
-    return out
+    return registry.neutral_declarations()
 
 
 __all__ = [

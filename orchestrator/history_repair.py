@@ -33,6 +33,7 @@ from orchestrator.eventlog import (
 from orchestrator.providers import ProviderFormatError, get_adapter
 from worker import errors
 from worker.models import SideEffect, ToolCall, ToolResult
+from worker.policy import policy_of
 from worker.registry import Provider
 
 RESTORE_REASON = "the conversation was restored after an interruption before it started"
@@ -98,14 +99,14 @@ class History:
         for seq, event in enumerate(events):
             if not isinstance(event, CallResult):
                 continue
-            turn = turns.get(event.turn_id)
+            owner = turns.get(event.turn_id)
             call_id = event.result.call_id
-            if turn is None or all(call.id != call_id for call in turn.calls):
+            if owner is None or all(call.id != call_id for call in owner.calls):
                 history.orphans.append(seq)
-            elif call_id in turn.results:
+            elif call_id in owner.results:
                 history.duplicates.append(seq)
             else:
-                turn.results[call_id] = event.result
+                owner.results[call_id] = event.result
         return history
 
     @property
@@ -118,14 +119,7 @@ class History:
 
 def calls_in_items(provider: Provider, items: list[dict[str, Any]]) -> list[ToolCall]:
     """The calls of an assistant turn stored as request items (read with the provider's adapter)."""
-    adapter = get_adapter(provider)
-    if provider == "responses":
-        return adapter.parse_calls(items)
-    calls: list[ToolCall] = []
-    for item in items:
-        for call in adapter.parse_calls(item):
-            calls.append(call.model_copy(update={"index": len(calls)}))
-    return calls
+    return get_adapter(provider).calls_in_items(items)
 
 
 def _turn_calls(output: ModelOutput, parsed: dict[tuple[str, str], CallParsed]) -> list[ToolCall]:
@@ -149,7 +143,7 @@ def synthesized_result(turn: Turn, call: ToolCall) -> ToolResult:
     """The deterministic result of a call that has none: depends only on the log."""
     if call.id not in turn.started:
         error = errors.not_executed(call, RESTORE_REASON)
-    elif turn.side_effects.get(call.id) == "unsafe":
+    elif policy_of(turn.side_effects.get(call.id)).unobserved_is_unknown:
         error = errors.outcome_unknown(call, "the conversation was restored after an interruption")
     else:
         error = errors.aborted(call)

@@ -9,9 +9,10 @@ a tool failure.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import AsyncIterator, Iterable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,6 +23,30 @@ from worker.registry import Provider
 
 # Local OpenAI-compatible servers ignore the key, but the SDKs refuse to start without one.
 PLACEHOLDER_API_KEY = "not-needed"
+
+
+class _Sdk(NamedTuple):
+    """How one provider API is called with its official SDK."""
+
+    module: str
+    client: str
+    async_client: str
+    create: tuple[str, ...]
+    key_env: str
+
+
+_SDKS: dict[Provider, _Sdk] = {
+    "chat": _Sdk("openai", "OpenAI", "AsyncOpenAI", ("chat", "completions", "create"), "OPENAI_API_KEY"),
+    "responses": _Sdk("openai", "OpenAI", "AsyncOpenAI", ("responses", "create"), "OPENAI_API_KEY"),
+    "anthropic": _Sdk("anthropic", "Anthropic", "AsyncAnthropic", ("messages", "create"), "ANTHROPIC_API_KEY"),
+}
+
+
+def _sdk(provider: Provider) -> _Sdk:
+    try:
+        return _SDKS[provider]
+    except KeyError:
+        raise ValueError(f"unknown provider {provider!r}; expected one of {sorted(_SDKS)}") from None
 
 
 class ModelError(RuntimeError):
@@ -61,6 +86,7 @@ class SdkModelClient:
 
     def __init__(self, provider: Provider, *, base_url: str | None = None, api_key: str | None = None,
                  max_retries: int = 2, timeout: float = 120.0) -> None:
+        _sdk(provider)  # an unknown provider fails here, not at the first request
         self.provider = provider
         self._options: dict[str, Any] = {"base_url": base_url, "max_retries": max_retries, "timeout": timeout}
         if api_key is not None:
@@ -71,14 +97,8 @@ class SdkModelClient:
         self._async: Any = None
 
     def _client(self, asynchronous: bool) -> Any:
-        if self.provider == "anthropic":
-            import anthropic
-
-            factory = anthropic.AsyncAnthropic if asynchronous else anthropic.Anthropic
-        else:
-            import openai
-
-            factory = openai.AsyncOpenAI if asynchronous else openai.OpenAI
+        sdk = _sdk(self.provider)
+        factory = getattr(importlib.import_module(sdk.module), sdk.async_client if asynchronous else sdk.client)
         if asynchronous:
             self._async = self._async or factory(**self._options)
             return self._async
@@ -86,17 +106,13 @@ class SdkModelClient:
         return self._sync
 
     def _create(self, client: Any) -> Any:
-        if self.provider == "chat":
-            return client.chat.completions.create
-        if self.provider == "responses":
-            return client.responses.create
-        return client.messages.create
+        for name in _sdk(self.provider).create:
+            client = getattr(client, name)
+        return client
 
     def _errors(self) -> tuple[type[BaseException], ...]:
-        import anthropic
-        import openai
-
-        return (openai.APIError, anthropic.APIError)
+        # Any SDK's error may surface (an OpenAI-compatible proxy in front of another API, say).
+        return tuple(importlib.import_module(module).APIError for module in sorted({s.module for s in _SDKS.values()}))
 
     def complete(self, request: dict[str, Any], *, stream: bool = False) -> ModelReply:
         """Send the request and wait for the whole answer (assembling the stream when `stream`)."""
@@ -154,7 +170,7 @@ class SdkModelClient:
 
 
 def _key_in_env(provider: Provider) -> bool:
-    return bool(os.environ.get("ANTHROPIC_API_KEY" if provider == "anthropic" else "OPENAI_API_KEY"))
+    return bool(os.environ.get(_sdk(provider).key_env))
 
 
 def make_model_client(provider: Provider, *, base_url: str | None = None, api_key: str | None = None,

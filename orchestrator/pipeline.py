@@ -6,7 +6,6 @@ Errors found here never reach a worker: they become results directly (DESIGN.md 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -14,13 +13,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, SecretBytes, SecretStr, ValidationError
 
+from orchestrator.providers.plain_data import ArgumentsProblem, load_arguments
 from worker import errors
 from worker.context import ToolContext
 from worker.idempotency import idempotency_key
 from worker.models import ToolCall, ToolResult
 from worker.registry import Registry
 from worker.runner import execute_call
-from worker.spill import SpillStore, read_output, read_output_tool, spill_store
+from worker.spill import MemorySpillStore, SpillStore, read_output_tool
 from worker.tools import ToolSpec
 
 _log = logging.getLogger("toolchord.pipeline")
@@ -41,35 +41,17 @@ class PreparedCall(BaseModel):
     resource: str | None = None
 
 
-class _NotJsonConstant(ValueError):
-    """NaN/Infinity: Python's json reads them, but they are not JSON and no provider sends them."""
-
-
-def _reject_constant(name: str) -> Any:
-    raise _NotJsonConstant(name)
-
-
 def parse_arguments(call: ToolCall) -> dict[str, Any] | ToolResult:
     """The call's arguments as a JSON object, or an INVALID_JSON result.
 
-    The rules match the provider adapters' (orchestrator.providers.parse_arguments), so a call
-    that ran has the arguments the rebuilt history shows.
+    The rules are the provider adapters' (`orchestrator.providers.plain_data.load_arguments`), so a
+    call that ran has the arguments the rebuilt history shows: empty text means `{}`; NaN, Infinity
+    and lone surrogates are not JSON.
     """
-    raw = call.arguments_raw
-    if not raw.strip():
-        # Chat models send "" for tools without parameters.
-        return {}
     try:
-        value = json.loads(raw, parse_constant=_reject_constant)
-    except json.JSONDecodeError as exc:
-        return errors.error_result(call, errors.invalid_json(call, exc))
-    except _NotJsonConstant as exc:
-        return errors.error_result(call, errors.invalid_json(call, f"{exc} is not valid JSON (use a number or null)"))
-    except (ValueError, RecursionError) as exc:
-        return errors.error_result(call, errors.invalid_json(call, f"unreadable input ({type(exc).__name__})"))
-    if not isinstance(value, dict):
-        return errors.error_result(call, errors.invalid_json(call, f"got a JSON {type(value).__name__}, expected an object"))
-    return value
+        return load_arguments(call.arguments_raw)
+    except ArgumentsProblem as problem:
+        return errors.error_result(call, errors.invalid_json(call, str(problem)))
 
 
 def check_permission(call: ToolCall, spec: ToolSpec, hook: PermissionHook | None) -> ToolResult | None:
@@ -104,7 +86,7 @@ def _with_secrets(value: Any, dumped: Any) -> Any:
     if isinstance(value, BaseModel) and isinstance(dumped, dict):
         return {key: _with_secrets(getattr(value, key, None), item) for key, item in dumped.items()}
     if isinstance(value, (list, tuple)) and isinstance(dumped, list) and len(value) == len(dumped):
-        return [_with_secrets(v, d) for v, d in zip(value, dumped)]
+        return [_with_secrets(v, d) for v, d in zip(value, dumped, strict=True)]
     if isinstance(value, dict) and isinstance(dumped, dict):
         return {key: _with_secrets(value.get(key), item) for key, item in dumped.items()}
     return dumped
@@ -156,10 +138,11 @@ class Pipeline:
         # A copy, so the caller's registry is left as it was.
         self.registry = Registry(registry)
         self.permission_hook = permission_hook
-        self.spill = spill if spill is not None else spill_store()
+        # A store of its own unless given one: pipelines (and orchestrators) never share spills.
+        self.spill: SpillStore = spill if spill is not None else MemorySpillStore()
         # Cut outputs point the model at read_output; like the Orchestrator, make sure it exists,
         # reading the store this pipeline spills into.
-        self.registry.add_missing([read_output if spill is None else read_output_tool(spill)])
+        self.registry.add_missing([read_output_tool(self.spill)])
 
     def run(self, call: ToolCall, session_id: str = "local") -> ToolResult:
         """Exactly one result for the call; never raises for anything the model or handler did."""

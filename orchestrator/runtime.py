@@ -34,6 +34,7 @@ from worker.celery_app import WorkerRuntime, create_app, runtime_of
 from worker.config import Settings
 from worker.models import ErrorCode, ToolCall, ToolResult
 from worker.payloads import CallPayload, CallRef, cancel_scope
+from worker.policy import policy_of
 from worker.registry import Provider, Registry
 from worker.tasks import COLLECT_TASK, TASK_NAMES
 
@@ -86,7 +87,7 @@ def _may_still_finish(dc: DispatchedCall, code: ErrorCode, unfinished: bool) -> 
     attempt may have been slow rather than lost)."""
     if unfinished:
         return code != ErrorCode.NOT_EXECUTED
-    return dc.side_effect == "unsafe" and code == ErrorCode.OUTCOME_UNKNOWN
+    return policy_of(dc.side_effect).unobserved_is_unknown and code == ErrorCode.OUTCOME_UNKNOWN
 
 
 class _RemoteCancelClock:
@@ -157,8 +158,8 @@ class Orchestrator:
             total = 0.0
             for dc in group:
                 spec = self.registry[dc.call.name]
-                # read/idempotent calls may be retried once after a timeout.
-                total += spec.timeout * (1 if spec.side_effect == "unsafe" else 2) + 2
+                # Repeatable calls may be retried once after a timeout.
+                total += spec.timeout * policy_of(spec.side_effect).deadline_attempts + 2
             longest = max(longest, total)
         return time.time() + longest + 5
 
@@ -311,7 +312,7 @@ class Orchestrator:
         self.app.control.revoke(dc.task_id)
         if not store.started(dc.key):
             return errors.error_result(dc.call, errors.not_executed(dc.call, reason))
-        if dc.side_effect == "unsafe":
+        if policy_of(dc.side_effect).unobserved_is_unknown:
             error = errors.outcome_unknown(dc.call, f"{reason} while it was running")
         elif reason.startswith("the turn was cancelled"):
             error = errors.cancelled(dc.call)

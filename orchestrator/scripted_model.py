@@ -16,7 +16,7 @@ from typing import Any, Self
 
 from pydantic import BaseModel, Field
 
-_JSON = {"ensure_ascii": False, "separators": (",", ":")}
+_JSON: dict[str, Any] = {"ensure_ascii": False, "separators": (",", ":")}
 
 
 class ScriptedCall(BaseModel):
@@ -24,6 +24,8 @@ class ScriptedCall(BaseModel):
 
     name: str
     arguments: dict[str, Any] | str = Field(default_factory=dict)
+    extra: dict[str, Any] = Field(
+        default_factory=dict, description="Chat: extension fields of the tool call (e.g. Gemini `extra_content`).")
 
     def arguments_text(self) -> str:
         if isinstance(self.arguments, str):
@@ -48,6 +50,9 @@ class ScriptedTurn(BaseModel):
     calls: list[ScriptedCall] = Field(default_factory=list)
     reasoning: str | None = Field(default=None, description="Rendered as Responses reasoning / Anthropic thinking.")
     error_status: int | None = Field(default=None, description="Answer with this HTTP error instead (e.g. 429, 500).")
+    extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Chat: extension fields of the message (e.g. DeepSeek `reasoning_content`); text streams in pieces.")
 
 
 class RecordedRequest(BaseModel):
@@ -95,10 +100,11 @@ def _usage(api: str) -> dict[str, Any]:
 
 
 def chat_completion(turn: ScriptedTurn, ids: _Ids, model: str) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": turn.text, "refusal": None}
+    message: dict[str, Any] = {"role": "assistant", "content": turn.text, "refusal": None, **turn.extra}
     if turn.calls:
         message["tool_calls"] = [
-            {"id": ids.call("chat", i), "type": "function", "function": {"name": c.name, "arguments": c.arguments_text()}}
+            {"id": ids.call("chat", i), "type": "function", "function": {"name": c.name, "arguments": c.arguments_text()},
+             **c.extra}
             for i, c in enumerate(turn.calls)
         ]
     return {
@@ -115,12 +121,15 @@ def _chat_chunks(turn: ScriptedTurn, ids: _Ids, model: str) -> Iterator[dict[str
                 "model": model, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
     yield chunk({"role": "assistant", "content": ""})
+    for key, value in turn.extra.items():
+        for piece in _pieces(value) if isinstance(value, str) else [value]:
+            yield chunk({key: piece})
     if turn.text:
         for piece in _pieces(turn.text):
             yield chunk({"content": piece})
     for i, call in enumerate(turn.calls):
         yield chunk({"tool_calls": [{"index": i, "id": ids.call("chat", i), "type": "function",
-                                     "function": {"name": call.name, "arguments": ""}}]})
+                                     "function": {"name": call.name, "arguments": ""}, **call.extra}]})
         for piece in _pieces(call.arguments_text()):
             yield chunk({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
     yield chunk({}, "tool_calls" if turn.calls else "stop")
@@ -265,7 +274,7 @@ class ScriptedModelServer:
     @property
     def base_url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     @property
     def remaining(self) -> int:
@@ -284,7 +293,8 @@ class ScriptedModelServer:
             self._thread.join(timeout=5)
 
     def __enter__(self) -> Self:
-        return self.start()
+        self.start()
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -234,7 +234,7 @@ def run_turn(
     if provider == "anthropic" and items:
         flags = [block["is_error"] for block in items[0]["content"]]
         assert flags == [result.status == "error" for result in results]
-    for call, result in zip(calls, results):
+    for call, result in zip(calls, results, strict=True):
         assert (result.call_id, result.name) == (call.id, call.name)
     return calls, results
 

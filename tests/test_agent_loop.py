@@ -21,7 +21,7 @@ from orchestrator.model_clients import ModelError
 from orchestrator.request_builder import render, request_bytes
 from orchestrator.runtime import Orchestrator
 from orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, ScriptedTurn
-from worker import Registry, tool
+from worker import Provider, Registry, tool
 
 ROOT = Path(__file__).resolve().parent.parent
 PROVIDERS = ("chat", "anthropic", "responses")
@@ -59,7 +59,7 @@ def orchestrator() -> Iterator[Orchestrator]:
     runtime.close()
 
 
-def base_url(server: ScriptedModelServer, provider: str) -> str:
+def base_url(server: ScriptedModelServer, provider: Provider) -> str:
     return server.base_url if provider == "anthropic" else server.base_url + "/v1"
 
 
@@ -78,7 +78,7 @@ def rebuilt_requests(log: EventLog, session_id: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_multi_turn_conversation_through_the_real_clients(
-    tmp_path: Path, orchestrator: Orchestrator, provider: str, stream: bool
+    tmp_path: Path, orchestrator: Orchestrator, provider: Provider, stream: bool
 ) -> None:
     log = JsonlEventLog(tmp_path)
     with ScriptedModelServer(SCRIPT) as server:
@@ -119,7 +119,7 @@ def test_multi_turn_conversation_through_the_real_clients(
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_arun_runs_the_same_loop_on_asyncio(tmp_path: Path, orchestrator: Orchestrator, provider: str) -> None:
+def test_arun_runs_the_same_loop_on_asyncio(tmp_path: Path, orchestrator: Orchestrator, provider: Provider) -> None:
     with ScriptedModelServer(SCRIPT) as server:
         agent = Agent(REGISTRY, model="scripted", provider=provider, base_url=base_url(server, provider),
                       api_key="test", orchestrator=orchestrator, event_log=JsonlEventLog(tmp_path), stream=True)
@@ -129,7 +129,7 @@ def test_arun_runs_the_same_loop_on_asyncio(tmp_path: Path, orchestrator: Orches
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_rate_limits_are_retried_by_the_sdk(tmp_path: Path, orchestrator: Orchestrator, provider: str) -> None:
+def test_rate_limits_are_retried_by_the_sdk(tmp_path: Path, orchestrator: Orchestrator, provider: Provider) -> None:
     script = [ScriptedTurn(error_status=429), ScriptedTurn(error_status=503), ScriptedTurn(text="fine")]
     with ScriptedModelServer(script) as server:
         agent = Agent(REGISTRY, model="scripted", provider=provider, base_url=base_url(server, provider),
@@ -140,7 +140,7 @@ def test_rate_limits_are_retried_by_the_sdk(tmp_path: Path, orchestrator: Orches
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_a_model_failure_raises_a_model_error(tmp_path: Path, orchestrator: Orchestrator, provider: str) -> None:
+def test_a_model_failure_raises_a_model_error(tmp_path: Path, orchestrator: Orchestrator, provider: Provider) -> None:
     log = JsonlEventLog(tmp_path)
     with ScriptedModelServer([ScriptedTurn(error_status=500)] * 2) as server:
         agent = Agent(REGISTRY, model="scripted", provider=provider, base_url=base_url(server, provider),
@@ -211,7 +211,7 @@ def test_toolchord_tools_prints_declarations() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(60)  # loaded 2-core machine: about 8 s
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_toolchord_run_against_a_model_server(tmp_path: Path, provider: str) -> None:
+def test_toolchord_run_against_a_model_server(tmp_path: Path, provider: Provider) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLCHORD_")}
     env.update(TOOLCHORD_LOG_DIR=str(tmp_path / "logs"), OPENAI_API_KEY="test", ANTHROPIC_API_KEY="test")
     script = [ScriptedTurn(calls=[ScriptedCall(name="lookup_order", arguments={"order_id": "A-1001"})]),
@@ -223,3 +223,27 @@ def test_toolchord_run_against_a_model_server(tmp_path: Path, provider: str) -> 
     assert done.returncode == 0, done.stderr[-3000:]
     assert "lookup_order" in done.stdout and "final answer: A-1001 has shipped." in done.stdout
     assert len(received) == 2 and "espresso machine" in json.dumps(received[1])
+
+
+EXTENSIONS = {"reasoning_content": "The user wants the weather; call the tool.",
+              "reasoning_details": [{"type": "reasoning.encrypted", "data": "opaque==", "index": 0}]}
+THOUGHT = {"extra_content": {"google": {"thought_signature": "c2lnbmF0dXJl"}}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_provider_extension_fields_go_back_in_the_next_request(
+    tmp_path: Path, orchestrator: Orchestrator, stream: bool
+) -> None:
+    # DeepSeek, OpenRouter and Gemini reject the next request when these are missing.
+    script = [ScriptedTurn(extra=EXTENSIONS, calls=[ScriptedCall(name="weather", arguments={"city": "Oslo"},
+                                                                 extra=THOUGHT)]),
+              ScriptedTurn(text="Sunny.")]
+    with ScriptedModelServer(script) as server:
+        agent = Agent(REGISTRY, model="scripted", base_url=base_url(server, "chat"), api_key="test",
+                      orchestrator=orchestrator, event_log=JsonlEventLog(tmp_path), stream=stream)
+        assert agent.run("Weather in Oslo?").text == "Sunny."
+        second = server.requests[1].body["messages"]
+    (assistant,) = [m for m in second if m["role"] == "assistant"]
+    assert {key: assistant[key] for key in EXTENSIONS} == EXTENSIONS
+    assert assistant["tool_calls"][0]["extra_content"] == THOUGHT["extra_content"]
+    assert "index" not in assistant["tool_calls"][0]

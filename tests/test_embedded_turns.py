@@ -53,3 +53,42 @@ def test_two_embedded_orchestrators_in_one_process_keep_their_calls_apart() -> N
         loud = shouter.run_calls(f"s-shout-{i}", [ToolCall(id="c", name="shout", arguments_raw='{"text": "hi"}', index=0)])
         assert [r.content for r in sums.results] == ["2"]
         assert [r.content for r in loud.results] == ["HI"]
+
+
+@tool(side_effect="read", sandbox={"isolate": False}, max_output_chars=200)
+def long_text(word: str) -> str:
+    """A text too long to show in full."""
+    return " ".join([word] * 200)
+
+
+def _read_output(orchestrator: Orchestrator, session_id: str, ref: str, call_id: str = "r") -> str:
+    call = ToolCall(id=call_id, name="read_output", arguments_raw=f'{{"ref": "{ref}", "limit": 40}}')
+    (result,) = orchestrator.run_calls(session_id, [call]).results
+    return result.content
+
+
+def test_each_embedded_orchestrator_reads_its_own_spilled_outputs() -> None:
+    first = Orchestrator(Registry([long_text]), settings=Settings())
+    second = Orchestrator(Registry([long_text]), settings=Settings())
+    spilled = ToolCall(id="c", name="long_text", arguments_raw='{"word": "alpha"}')
+    (cut,) = first.run_calls("s-spill", [spilled]).results
+    assert cut.truncated is not None and cut.truncated.spill_ref
+    # The second orchestrator spills too: the first must still find its own outputs.
+    (other,) = second.run_calls("s-spill-2", [spilled.model_copy(update={"arguments_raw": '{"word": "beta"}'})]).results
+    assert other.truncated is not None
+    assert "alpha alpha" in _read_output(first, "s-spill", cut.truncated.spill_ref)
+    assert "no stored output" in _read_output(second, "s-spill", cut.truncated.spill_ref, "r2")
+
+
+def test_importing_the_packages_builds_no_celery_app() -> None:
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, orchestrator, worker; "
+        "module = sys.modules.get('worker.celery_app'); "
+        "print('built' if module is not None and 'app' in vars(module) else 'lazy')"
+    )
+    env = {"TOOLCHORD_BROKER_URL": "redis://127.0.0.1:1/0", "PATH": ""}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env, check=True)
+    assert done.stdout.strip() == "lazy", done.stderr

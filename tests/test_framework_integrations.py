@@ -90,7 +90,7 @@ def test_parallel_calls_one_turn_and_errors_reach_the_model_as_results(
     # Every call of the response has exactly one result, paired by the model's call id.
     assert set(results) == {"call_001_0", "call_001_1", "call_001_2", "call_001_3", "call_001_4"}
     assert results["call_001_0"] == "first" and results["call_001_1"] == "second"
-    assert results["call_001_2"].startswith("TIMEOUT: 'slow' did not finish within its 1 s limit")
+    assert results["call_001_2"].startswith("TIMEOUT: 'slow' did not finish within the tool's own 1 s timeout")
     assert "UNKNOWN_TOOL: there is no tool named 'teleport'. Available tools:" in results["call_001_3"]
     # Malformed arguments reach toolchord as sent, not the framework's own validation.
     assert results["call_001_4"].startswith("INVALID_JSON: the arguments for 'echo' are not a JSON object")
@@ -113,7 +113,7 @@ def test_unsafe_call_not_run_twice_when_the_worker_dies_and_the_run_is_retried(
 
     async def scenario() -> str:
         with ScriptedModelServer(script) as server:
-            first = asyncio.create_task(run_agent(orch, server, "s-retry"))
+            first = asyncio.ensure_future(run_agent(orch, server, "s-retry"))
             while effects(clean_redis, "k-once") == 0:
                 assert not first.done(), first
                 await asyncio.sleep(0.05)

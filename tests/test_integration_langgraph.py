@@ -21,6 +21,7 @@ from tests.cluster_helpers import TOOLS, effects, orchestrator, run_in_thread, w
 from tests.conftest import ROOT
 from worker import ErrorCode
 
+
 def _example() -> ModuleType:
     spec = importlib.util.spec_from_file_location("langgraph_example", ROOT / "examples" / "langgraph_example.py")
     assert spec is not None and spec.loader is not None

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from mcp import types
@@ -132,7 +133,7 @@ def test_unsafe_mcp_call_not_rerun_after_worker_sigkill_and_resubmission(start_w
     assert effects(clean_redis, "mcp-u") == 1
 
 
-async def _drive_served(env: dict[str, str]) -> dict[str, object]:
+async def _drive_served(env: dict[str, str]) -> dict[str, Any]:
     params = StdioServerParameters(command=sys.executable, args=["-m", "orchestrator.cli", "mcp", "serve",
                                                                   "--tools", TOOLS], env=env, cwd=str(ROOT))
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:

@@ -321,7 +321,11 @@ def test_hook_true_allows_a_high_risk_tool(provider: Provider) -> None:
 
 def test_permission_runs_after_validation(provider: Provider) -> None:
     asked: list[str] = []
-    pipeline = t.make_pipeline(lambda call, spec: asked.append(call.name) or True)
+    def allow_and_note(call: ToolCall, spec: ToolSpec) -> bool:
+        asked.append(call.name)
+        return True
+
+    pipeline = t.make_pipeline(allow_and_note)
     result = t.run_one(pipeline, provider, "deploy", {"service": 3, "region": "eu"})
     assert result.error is not None and result.error.code is ErrorCode.INVALID_ARGUMENTS
     assert asked == []

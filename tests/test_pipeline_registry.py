@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 import pytest
 from anthropic.types import ToolParam
@@ -35,7 +35,7 @@ def create_contact(
     address: Address,
     ctx: ToolContext,
     tags: list[str],
-    email: Optional[str] = None,
+    email: str | None = None,
     kind: Literal["person", "company"] = "person",
     priority: Priority = Priority.LOW,
     score: Annotated[int, Field(ge=0, le=10, description="0 to 10.")] = 5,
@@ -48,7 +48,7 @@ def create_contact(
 
 
 @tool(side_effect="read")
-def all_required(city: str, when: Optional[str], units: Literal["metric", "imperial"]) -> str:
+def all_required(city: str, when: str | None, units: Literal["metric", "imperial"]) -> str:
     """Everything required: strict mode can hold."""
     return city
 

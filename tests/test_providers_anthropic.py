@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from orchestrator.providers import AnthropicMessagesAdapter, ProviderFormatError, get_adapter
+from orchestrator.providers import AnthropicMessagesAdapter, ProviderFormatError
 from worker.models import ErrorCode, ToolCall, ToolError, ToolResult
 
-ADAPTER = get_adapter("anthropic")
+ADAPTER = AnthropicMessagesAdapter()
 
 
 def tool_use(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
@@ -80,9 +80,9 @@ def test_invalid_json_input_is_kept_raw_not_raised(invalid: str) -> None:
     # Streamed input that is not a JSON object is kept wrapped, as Anthropic documents.
     (call,) = ADAPTER.parse_calls([tool_use("toolu_1", "f", {"INVALID_JSON": invalid})])
     assert (call.arguments_raw, call.arguments) == (invalid, None)
-    # Hand-written histories may carry the input as JSON text or a non-object.
+    # Hand-written histories may carry the input as text or a non-object: not an input, never parsed.
     (text_call,) = ADAPTER.parse_calls([tool_use("toolu_1", "f", invalid)])
-    assert (text_call.arguments_raw, text_call.arguments) == (invalid, None)
+    assert (text_call.arguments_raw, text_call.arguments) == (json.dumps(invalid), None)
     (list_call,) = ADAPTER.parse_calls([tool_use("toolu_1", "f", [1, 2])])
     assert (list_call.arguments_raw, list_call.arguments) == ("[1,2]", None)
 
@@ -104,11 +104,21 @@ def test_plain_text_content_has_no_calls() -> None:
 
 
 def test_assistant_items_keep_thinking_signatures_and_null_arguments() -> None:
-    output = message(THINKING, {"type": "redacted_thinking", "data": "opaque=="}, {"type": "text", "text": "x", "citations": None}, tool_use("toolu_a", "f", {"a": None}))
+    output = message(
+        THINKING,
+        {"type": "redacted_thinking", "data": "opaque=="},
+        {"type": "text", "text": "x", "citations": None},
+        tool_use("toolu_a", "f", {"a": None}),
+    )
     (item,) = ADAPTER.assistant_items(Message.model_validate(output))
     assert item == {
         "role": "assistant",
-        "content": [THINKING, {"type": "redacted_thinking", "data": "opaque=="}, {"type": "text", "text": "x"}, tool_use("toolu_a", "f", {"a": None})],
+        "content": [
+            THINKING,
+            {"type": "redacted_thinking", "data": "opaque=="},
+            {"type": "text", "text": "x"},
+            tool_use("toolu_a", "f", {"a": None}),
+        ],
     }
     json.dumps(item)
 
@@ -219,20 +229,38 @@ def test_stream_hands_out_each_call_at_its_block_stop() -> None:
     second = block_events(2, tool_use("toolu_b", "g", {}), [])
     for event in first[:-1] + second[:-1]:
         assert accumulator.feed(as_sdk_event(event)) == []
-    assert accumulator.feed(as_sdk_event(second[-1])) == [ToolCall(id="toolu_b", name="g", arguments_raw="{}", arguments={}, index=1)]
-    assert accumulator.feed(as_sdk_event(first[-1])) == [ToolCall(id="toolu_a", name="f", arguments_raw='{"a":1}', arguments={"a": 1}, index=0)]
-    accumulator.feed(as_sdk_event({"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None}, "usage": {"output_tokens": 9}}))
+    assert accumulator.feed(as_sdk_event(second[-1])) == [
+        ToolCall(id="toolu_b", name="g", arguments_raw="{}", arguments={}, index=1)
+    ]
+    assert accumulator.feed(as_sdk_event(first[-1])) == [
+        ToolCall(id="toolu_a", name="f", arguments_raw='{"a":1}', arguments={"a": 1}, index=0)
+    ]
+    accumulator.feed(
+        as_sdk_event(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+                "usage": {"output_tokens": 9},
+            }
+        )
+    )
     accumulator.feed(as_sdk_event({"type": "message_stop"}))
     assert accumulator.finish() == []
     output = accumulator.assistant_output()
     assert output["content"][0] == THINKING
     assert output["stop_reason"] == "tool_use"
-    assert Message.model_validate(output).content[1] == ToolUseBlock(type="tool_use", id="toolu_a", name="f", input={"a": 1})
+    assert Message.model_validate(output).content[1] == ToolUseBlock(
+        type="tool_use", id="toolu_a", name="f", input={"a": 1}
+    )
 
 
 def test_streamed_invalid_json_is_wrapped_and_read_back_raw() -> None:
     accumulator = ADAPTER.stream_accumulator()
-    (call,) = [call for event in block_events(0, tool_use("toolu_a", "f", {}), ['{"path": ', '"a']) for call in accumulator.feed(event)]
+    (call,) = [
+        call
+        for event in block_events(0, tool_use("toolu_a", "f", {}), ['{"path": ', '"a'])
+        for call in accumulator.feed(event)
+    ]
     assert (call.arguments_raw, call.arguments) == ('{"path": "a', None)
     output = accumulator.assistant_output()
     assert output["content"][0]["input"] == {"INVALID_JSON": '{"path": "a'}
@@ -243,7 +271,9 @@ def test_a_call_waits_until_every_earlier_block_has_started() -> None:
     accumulator = ADAPTER.stream_accumulator()
     later = block_events(1, tool_use("toolu_b", "g", {}), ["{}"])
     assert [accumulator.feed(event) for event in later] == [[], [], []]
-    (call,) = [call for event in block_events(0, tool_use("toolu_a", "f", {}), ["{}"])[:1] for call in accumulator.feed(event)]
+    (call,) = [
+        call for event in block_events(0, tool_use("toolu_a", "f", {}), ["{}"])[:1] for call in accumulator.feed(event)
+    ]
     assert (call.id, call.index) == ("toolu_b", 1)
 
 
@@ -262,7 +292,14 @@ def test_finish_closes_a_cut_stream() -> None:
         [{"type": "content_block_stop", "index": 3}],
         [{"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}] * 2,
         block_events(0, tool_use("toolu_a", "f", {}), []) + [{"type": "content_block_stop", "index": 0}],
-        [{"type": "content_block_start", "index": 0, "content_block": {"type": "tool_use", "name": "f", "input": {}}}, {"type": "content_block_stop", "index": 0}],
+        [
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "tool_use", "name": "f", "input": {}},
+            },
+            {"type": "content_block_stop", "index": 0},
+        ],
         block_events(0, tool_use("toolu_a", "f", {}), []) + block_events(1, tool_use("toolu_a", "g", {}), []),
         [{"type": "content_block_start", "content_block": {"type": "text", "text": ""}}],
     ],
@@ -275,7 +312,9 @@ def test_corrupt_streams_raise(events: list[dict[str, Any]]) -> None:
         accumulator.finish()
 
 
-JSON_VALUES = st.one_of(st.integers(), st.text(max_size=8), st.none(), st.booleans(), st.lists(st.integers(), max_size=3))
+JSON_VALUES = st.one_of(
+    st.integers(), st.text(max_size=8), st.none(), st.booleans(), st.lists(st.integers(), max_size=3)
+)
 INPUTS = st.dictionaries(st.text(max_size=6), JSON_VALUES, max_size=4)
 BLOCKS = st.one_of(
     st.tuples(st.just("tool_use"), INPUTS),
@@ -309,14 +348,20 @@ def test_streamed_events_in_any_split_and_order_equal_the_parsed_message(
     expected = ADAPTER.parse_calls(Message.model_validate(message(*content)))
 
     queues = []
-    for position, (block, text) in enumerate(zip(content, texts)):
+    for position, (block, text) in enumerate(zip(content, texts, strict=True)):
         cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=4), label=f"cuts {position}"))
-        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
         queues.append(block_events(position, block, pieces))
     events = [message_start()]
     while any(queues):
         events.append(data.draw(st.sampled_from([queue for queue in queues if queue]), label="next block").pop(0))
-    events.append({"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None}, "usage": {"output_tokens": 1}})
+    events.append(
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+            "usage": {"output_tokens": 1},
+        }
+    )
     events.append({"type": "message_stop"})
     as_sdk = data.draw(st.booleans(), label="SDK objects")
 

@@ -57,7 +57,7 @@ def test_parallel_calls_keep_ids_and_order() -> None:
     assert [call.arguments for call in calls] == [{"n": 2}, {"n": 1}, {}]
 
 
-@pytest.mark.parametrize("raw", ['{"path": "a.txt"', "[1, 2]", '"text"', "", "NaN", '{"x": NaN}', "{'a': 1}"])
+@pytest.mark.parametrize("raw", ['{"path": "a.txt"', "[1, 2]", '"text"', "NaN", '{"x": NaN}', "{'a': 1}"])
 def test_arguments_that_are_not_a_json_object_are_kept_raw_not_raised(raw: str) -> None:
     (call,) = ADAPTER.parse_calls(assistant(tool_call("call_a", "f", raw)))
     assert call.arguments is None
@@ -218,7 +218,9 @@ def test_corrupt_streams_raise(events: list[dict[str, Any]]) -> None:
 
 
 ARGUMENT_TEXTS = st.one_of(
-    st.dictionaries(st.text(max_size=6), st.one_of(st.integers(), st.text(max_size=8), st.none(), st.booleans()), max_size=4).map(json.dumps),
+    st.dictionaries(
+        st.text(max_size=6), st.one_of(st.integers(), st.text(max_size=8), st.none(), st.booleans()), max_size=4
+    ).map(json.dumps),
     st.sampled_from(['{"path": "a', "{}", "", "[1]", '{"a": 1}}', "not json"]),
     st.text(max_size=20),
 )
@@ -238,8 +240,11 @@ def test_streamed_fragments_in_any_split_and_order_equal_the_parsed_message(
     queues: list[list[dict[str, Any]]] = []
     for index, (name, arguments) in enumerate(calls):
         cuts = sorted(data.draw(st.lists(st.integers(0, len(arguments)), max_size=4), label=f"cuts {index}"))
-        pieces = [arguments[a:b] for a, b in zip([0, *cuts], [*cuts, len(arguments)])]
-        queues.append([first_fragment(index, f"call_{index}", name, pieces[0])] + [later_fragment(index, piece) for piece in pieces[1:]])
+        pieces = [arguments[a:b] for a, b in zip([0, *cuts], [*cuts, len(arguments)], strict=True)]
+        queues.append(
+            [first_fragment(index, f"call_{index}", name, pieces[0])]
+            + [later_fragment(index, piece) for piece in pieces[1:]]
+        )
 
     # Interleave the calls' fragments (each call's own order kept); several fragments may share a chunk.
     chunks: list[dict[str, Any]] = []

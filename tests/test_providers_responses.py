@@ -28,7 +28,7 @@ from worker.models import ErrorCode, ToolCall, ToolError, ToolResult
 
 ADAPTER = get_adapter("responses")
 
-REASONING = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAA-opaque", "status": None}
+REASONING: dict[str, Any] = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAA-opaque", "status": None}
 
 
 def function_call(call_id: str, name: str, arguments: str, item_id: str | None = None) -> dict[str, Any]:
@@ -87,7 +87,7 @@ def test_parallel_calls_keep_ids_and_order_among_other_items() -> None:
     assert [(call.id, call.name, call.index) for call in calls] == [("call_z", "b", 0), ("call_a", "a", 1)]
 
 
-@pytest.mark.parametrize("raw", ['{"path": "a', "[1]", "", "null", "nope"])
+@pytest.mark.parametrize("raw", ['{"path": "a', "[1]", "null", "nope"])
 def test_invalid_json_arguments_are_kept_raw_not_raised(raw: str) -> None:
     (call,) = ADAPTER.parse_calls([function_call("call_1", "f", raw)])
     assert (call.arguments_raw, call.arguments) == (raw, None)
@@ -177,13 +177,29 @@ def item_events(index: int, item: dict[str, Any], pieces: list[str], *, argument
             for piece in pieces
         ]
         if arguments_done:
-            middle.append({"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index, "arguments": item["arguments"]})
+            middle.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
+                           "output_index": index, "arguments": item["arguments"]})
     elif item["type"] == "message":
         added = {**item, "content": [], "status": "in_progress"}
         part = {"type": "output_text", "text": "", "annotations": []}
-        middle = [{"type": "response.content_part.added", "item_id": item["id"], "output_index": index, "content_index": 0, "part": part}]
+        middle = [
+            {
+                "type": "response.content_part.added",
+                "item_id": item["id"],
+                "output_index": index,
+                "content_index": 0,
+                "part": part,
+            }
+        ]
         middle += [
-            {"type": "response.output_text.delta", "item_id": item["id"], "output_index": index, "content_index": 0, "delta": piece, "logprobs": []}
+            {
+                "type": "response.output_text.delta",
+                "item_id": item["id"],
+                "output_index": index,
+                "content_index": 0,
+                "delta": piece,
+                "logprobs": [],
+            }
             for piece in pieces
         ]
     else:
@@ -200,7 +216,13 @@ def created() -> dict[str, Any]:
 def test_stream_hands_out_a_call_at_arguments_done() -> None:
     accumulator = ADAPTER.stream_accumulator()
     call = function_call("call_a", "f", '{"a": 1}')
-    events = numbered([created(), *item_events(0, REASONING, [], arguments_done=False, item_done=True), *item_events(1, call, ['{"a"', ": 1}"], arguments_done=True, item_done=True)])
+    events = numbered(
+        [
+            created(),
+            *item_events(0, REASONING, [], arguments_done=False, item_done=True),
+            *item_events(1, call, ['{"a"', ": 1}"], arguments_done=True, item_done=True),
+        ]
+    )
     handed = [accumulator.feed(as_sdk_event(event)) for event in events]
     expected = ToolCall(id="call_a", name="f", arguments_raw='{"a": 1}', arguments={"a": 1}, index=0)
     assert handed[-2:] == [[expected], []]  # at arguments.done, and not again at output_item.done
@@ -230,7 +252,9 @@ def test_completed_response_settles_calls_without_done_events() -> None:
 
 def test_finish_hands_out_a_cut_call_with_what_arrived() -> None:
     accumulator = ADAPTER.stream_accumulator()
-    for event in item_events(0, function_call("call_a", "f", '{"a": 1}'), ['{"a"'], arguments_done=False, item_done=False):
+    for event in item_events(
+        0, function_call("call_a", "f", '{"a": 1}'), ['{"a"'], arguments_done=False, item_done=False
+    ):
         accumulator.feed(event)
     (call,) = accumulator.finish()
     assert (call.id, call.arguments_raw, call.arguments) == ("call_a", '{"a"', None)
@@ -248,10 +272,22 @@ def test_finish_hands_out_a_cut_call_with_what_arrived() -> None:
         + [{"type": "response.function_call_arguments.delta", "item_id": "fc_call_a", "output_index": 0, "delta": "x"}],
         item_events(0, function_call("call_a", "f", "{}"), ["{}"], arguments_done=True, item_done=False)
         + [{"type": "response.output_item.done", "output_index": 0, "item": function_call("call_a", "f", '{"x": 1}')}],
-        [{"type": "response.output_item.added", "output_index": 0, "item": {"type": "function_call", "id": "fc_1", "name": "f", "arguments": ""}}],
+        [
+            {
+                "type": "response.output_item.added",
+                "output_index": 0,
+                "item": {"type": "function_call", "id": "fc_1", "name": "f", "arguments": ""},
+            }
+        ],
         item_events(0, function_call("call_a", "f", "{}"), [], arguments_done=True, item_done=True)
         + item_events(1, function_call("call_a", "g", "{}", "fc_2"), [], arguments_done=True, item_done=True),
-        [{"type": "response.output_item.added", "output_index": 0, "item": {"type": "custom_tool_call", "call_id": "c", "name": "f", "input": ""}}],
+        [
+            {
+                "type": "response.output_item.added",
+                "output_index": 0,
+                "item": {"type": "custom_tool_call", "call_id": "c", "name": "f", "input": ""},
+            }
+        ],
     ],
 )
 def test_corrupt_streams_raise(events: list[dict[str, Any]]) -> None:
@@ -263,7 +299,9 @@ def test_corrupt_streams_raise(events: list[dict[str, Any]]) -> None:
 
 
 ARGUMENT_TEXTS = st.one_of(
-    st.dictionaries(st.text(max_size=6), st.one_of(st.integers(), st.text(max_size=8), st.none()), max_size=4).map(json.dumps),
+    st.dictionaries(st.text(max_size=6), st.one_of(st.integers(), st.text(max_size=8), st.none()), max_size=4).map(
+        json.dumps
+    ),
     st.sampled_from(['{"path": "a', "{}", "", "[1]", "nope"]),
 )
 ITEMS = st.one_of(
@@ -289,9 +327,9 @@ def test_streamed_events_in_any_split_and_order_equal_the_parsed_response(
     expected = ADAPTER.parse_calls(Response.model_validate(response(*items)))
 
     queues = []
-    for position, (item, (_, text)) in enumerate(zip(items, kinds)):
+    for position, (item, (_, text)) in enumerate(zip(items, kinds, strict=True)):
         cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=4), label=f"cuts {position}"))
-        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
         arguments_done = data.draw(st.booleans(), label=f"arguments.done {position}")
         item_done = data.draw(st.booleans(), label=f"output_item.done {position}")
         queues.append(item_events(position, item, pieces, arguments_done=arguments_done, item_done=item_done))

@@ -10,10 +10,11 @@ from orchestrator.eventlog import JsonlEventLog, SessionRecorder
 from orchestrator.request_builder import RequestBuilder
 from tests.test_request_builder_rebuild import PROVIDERS, REGISTRY, assert_provider_accepts, write_conversation
 from worker.models import ToolResult
+from worker.registry import Provider
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_late_result_is_a_note_after_the_turns_results(tmp_path: Path, provider: str) -> None:
+def test_late_result_is_a_note_after_the_turns_results(tmp_path: Path, provider: Provider) -> None:
     log = JsonlEventLog(tmp_path)
     write_conversation(log, "s", provider, turns=1)
     before = RequestBuilder(log).build("s")

@@ -33,7 +33,7 @@ from orchestrator.scripted_model import (
     chat_completion,
     responses_response,
 )
-from worker import Registry, ToolResult, tool
+from worker import Provider, Registry, ToolResult, tool
 from worker.models import ErrorCode, ToolError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +71,7 @@ SCRIPT = [
 ]
 
 
-def model_output(provider: str, turn: ScriptedTurn, number: int) -> dict[str, Any]:
+def model_output(provider: Provider, turn: ScriptedTurn, number: int) -> dict[str, Any]:
     """What the provider would answer for a scripted turn (the scripted server's own rendering)."""
     render = {"chat": chat_completion, "responses": responses_response, "anthropic": anthropic_message}[provider]
     return render(turn, _Ids(number), "model-x")
@@ -85,7 +85,7 @@ def result_for(call_id: str, name: str, number: int) -> ToolResult:
                       duration_ms=1.5)
 
 
-def write_conversation(log: EventLog, session_id: str, provider: str, *, turns: int = len(SCRIPT),
+def write_conversation(log: EventLog, session_id: str, provider: Provider, *, turns: int = len(SCRIPT),
                        with_results: bool = True) -> None:
     """Write a session the way the agent does: start, tools, user input, then per turn output/calls/results."""
     recorder = SessionRecorder(log, session_id, REGISTRY)
@@ -113,18 +113,18 @@ SHAPES = {
 }
 
 
-def assert_provider_accepts(provider: str, request: dict[str, Any]) -> None:
+def assert_provider_accepts(provider: Provider, request: dict[str, Any]) -> None:
     """Validate against the SDK's request param types, and the pairing rules."""
     import importlib
 
     key, module, name = SHAPES[provider]
-    param = getattr(importlib.import_module(module), name)
+    param: Any = getattr(importlib.import_module(module), name)
     TypeAdapter(list[param]).validate_python(request[key])
     check_pairing(provider, request)
     json.loads(request_bytes(request))
 
 
-def rebuild_in_subprocess(store: str, location: str, session_id: str, provider: str) -> bytes:
+def rebuild_in_subprocess(store: str, location: str, session_id: str, provider: Provider) -> bytes:
     code = (
         "import sys\n"
         "from orchestrator.eventlog import JsonlEventLog, RedisEventLog\n"
@@ -137,7 +137,7 @@ def rebuild_in_subprocess(store: str, location: str, session_id: str, provider: 
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_jsonl_rebuild_is_byte_identical_across_processes(tmp_path: Path, provider: str) -> None:
+def test_jsonl_rebuild_is_byte_identical_across_processes(tmp_path: Path, provider: Provider) -> None:
     log = JsonlEventLog(tmp_path)
     write_conversation(log, "s1", provider)
     here = RequestBuilder(log).build_bytes("s1")
@@ -147,7 +147,7 @@ def test_jsonl_rebuild_is_byte_identical_across_processes(tmp_path: Path, provid
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_redis_rebuild_is_byte_identical_across_processes(redis_url: str, provider: str) -> None:
+def test_redis_rebuild_is_byte_identical_across_processes(redis_url: str, provider: Provider) -> None:
     log = RedisEventLog(redis_url)
     session = f"rebuild-{provider}"
     log.redis.delete(log.key(session))
@@ -157,7 +157,7 @@ def test_redis_rebuild_is_byte_identical_across_processes(redis_url: str, provid
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_a_new_turn_only_appends_to_the_request(tmp_path: Path, provider: str) -> None:
+def test_a_new_turn_only_appends_to_the_request(tmp_path: Path, provider: Provider) -> None:
     key = SHAPES[provider][0]
     previous: list[Any] | None = None
     for turns in range(1, len(SCRIPT) + 1):
@@ -171,7 +171,7 @@ def test_a_new_turn_only_appends_to_the_request(tmp_path: Path, provider: str) -
         previous = request[key]
 
 
-def _assistant_calls(provider: str, request: dict[str, Any]) -> list[dict[str, Any]]:
+def _assistant_calls(provider: Provider, request: dict[str, Any]) -> list[dict[str, Any]]:
     if provider == "responses":
         return [i for i in request["input"] if i.get("type") == "function_call"]
     calls = []
@@ -184,7 +184,7 @@ def _assistant_calls(provider: str, request: dict[str, Any]) -> list[dict[str, A
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_invalid_arguments_are_sanitized_in_the_request_and_kept_in_the_log(tmp_path: Path, provider: str) -> None:
+def test_invalid_arguments_are_sanitized_in_the_request_and_kept_in_the_log(tmp_path: Path, provider: Provider) -> None:
     log = JsonlEventLog(tmp_path)
     write_conversation(log, "s", provider)
     request = RequestBuilder(log).build("s")
@@ -203,7 +203,7 @@ def test_invalid_arguments_are_sanitized_in_the_request_and_kept_in_the_log(tmp_
 
 
 @pytest.mark.parametrize("provider", ["responses", "anthropic"])
-def test_reasoning_is_passed_back_verbatim_to_its_provider(tmp_path: Path, provider: str) -> None:
+def test_reasoning_is_passed_back_verbatim_to_its_provider(tmp_path: Path, provider: Provider) -> None:
     log = JsonlEventLog(tmp_path)
     write_conversation(log, "s", provider)
     request = RequestBuilder(log).build("s")
@@ -222,7 +222,7 @@ def test_reasoning_is_passed_back_verbatim_to_its_provider(tmp_path: Path, provi
 
 @pytest.mark.parametrize("source", PROVIDERS)
 @pytest.mark.parametrize("target", PROVIDERS)
-def test_cross_provider_rendering_keeps_every_call_paired(tmp_path: Path, source: str, target: str) -> None:
+def test_cross_provider_rendering_keeps_every_call_paired(tmp_path: Path, source: Provider, target: Provider) -> None:
     log = JsonlEventLog(tmp_path)
     write_conversation(log, "s", source)
     builder = RequestBuilder(log)

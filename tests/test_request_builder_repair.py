@@ -21,6 +21,7 @@ from tests.test_request_builder_rebuild import (
     write_conversation,
 )
 from worker.models import ToolResult
+from worker.registry import Provider
 
 
 def _copy_prefix(source: Path, target: Path, lines: int) -> None:
@@ -30,7 +31,7 @@ def _copy_prefix(source: Path, target: Path, lines: int) -> None:
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_a_log_cut_at_every_point_repairs_to_an_accepted_request(tmp_path: Path, provider: str) -> None:
+def test_a_log_cut_at_every_point_repairs_to_an_accepted_request(tmp_path: Path, provider: Provider) -> None:
     full = JsonlEventLog(tmp_path / "full")
     write_conversation(full, "s", provider)
     total = len(full.read("s"))
@@ -51,7 +52,7 @@ def test_a_log_cut_at_every_point_repairs_to_an_accepted_request(tmp_path: Path,
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_a_torn_last_line_is_ignored(tmp_path: Path, provider: str) -> None:
+def test_a_torn_last_line_is_ignored(tmp_path: Path, provider: Provider) -> None:
     log = JsonlEventLog(tmp_path)
     write_conversation(log, "s", provider, turns=1)
     with open(log.path("s"), "ab") as handle:

@@ -130,7 +130,7 @@ def delegated_cgroup() -> Iterator[tuple[str, ...]]:
             if child.is_dir():
                 left = cgroup.CallCgroup(((hierarchy, str(child)),))
                 deadline = time.monotonic() + 10
-                while not (left.kill_all() or left.remove()) and time.monotonic() < deadline:
+                while not (left.kill_all() or left.remove()) and time.monotonic() < deadline:  # type: ignore[func-returns-value]
                     time.sleep(0.05)
         os.rmdir(directory)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import runtime as orchestrator_runtime
+from orchestrator.turn import TurnResult
 from tests.cluster_helpers import TOOLS, call, effects, orchestrator, run_in_thread, wait_for
 from tests.conftest import ROOT, free_port, worker_env
 from worker import ErrorCode
@@ -150,7 +151,7 @@ def test_async_turn_hears_a_remote_cancel_promptly(start_worker, redis_url, clea
     waiting, other = orchestrator(redis_url), orchestrator(redis_url)
     calls = [call(0, "effect_read", key="r-async", seconds=8)]
 
-    async def run_and_cancel() -> tuple[float, object]:
+    async def run_and_cancel() -> tuple[float, TurnResult]:
         task = asyncio.create_task(waiting.arun_calls("s-arc", calls, turn_id="t3"))
         while effects(clean_redis, "r-async") == 0:
             await asyncio.sleep(0.05)

@@ -1,7 +1,8 @@
 """The Celery app: configuration, the per-process worker runtime, and the embedded mode.
 
 `create_app()` builds an app from the environment (or explicit `Settings`); `app` is the one
-configured from the environment for `celery -A worker.celery_app` and `toolchord worker`.
+configured from the environment for `celery -A worker.celery_app` and `toolchord worker`, built
+lazily on first access (`default_app()`).
 With no broker configured, the app is embedded: in-memory transport and result backend, and
 `start_embedded_worker()` runs a worker thread in this process — the same tasks, one process.
 """
@@ -9,6 +10,7 @@ With no broker configured, the app is embedded: in-memory transport and result b
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 from celery import Celery
@@ -138,12 +140,43 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app = ToolchordCelery("toolchord", set_as_current=False)
     app.conf.update(_celery_config(settings))
     app.whole_second_countdowns = settings.broker_kind == "amqp"
-    runtime = app.toolchord = WorkerRuntime(settings, tools)  # type: ignore[attr-defined]
+    runtime = app.toolchord = WorkerRuntime(settings, tools)
     app.conf.task_default_queue = runtime.queue()
     register_tasks(app)
     return app
 
 
-app = create_app()
+app: Celery  # built on first access by __getattr__ below (annotation only: no value at import)
+_app: Celery | None = None
+_app_lock = threading.Lock()
 
-__all__ = ["EMBEDDED_POLL_SECONDS", "ToolchordCelery", "WorkerRuntime", "app", "create_app", "queues_of", "runtime_of"]
+
+def default_app() -> Celery:
+    """The app configured from the environment, built on first use (once per process).
+
+    Importing this module (or `orchestrator`) reads no environment and imports no tool modules;
+    `worker.celery_app.app`, which `celery -A worker.celery_app` and `toolchord worker` load, is
+    this app.
+    """
+    global _app
+    with _app_lock:
+        if _app is None:
+            _app = create_app()
+        return _app
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":
+        return default_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+__all__ = [
+    "EMBEDDED_POLL_SECONDS",
+    "ToolchordCelery",
+    "WorkerRuntime",
+    "app",
+    "create_app",
+    "default_app",
+    "queues_of",
+    "runtime_of",
+]

@@ -109,7 +109,7 @@ def _field_line(field: str, errs: list[dict[str, Any]], secret: bool) -> str:
 
 def invalid_arguments(call: ToolCall, exc: ValidationError) -> ToolError:
     """One line per field (a union's alternatives share it); values of secret-named fields masked."""
-    by_field: dict[tuple[int | str, ...], list[dict[str, Any]]] = {}
+    by_field: dict[tuple[int | str, ...], list[Any]] = {}
     for err in exc.errors(include_url=False):
         path = _field_path(tuple(err["loc"]), err["type"], call.arguments)
         by_field.setdefault(path, []).append(err)

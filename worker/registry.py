@@ -7,6 +7,8 @@ import importlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
+from pydantic import BaseModel
+
 from worker.schema import parameters_schema, strict_compatible
 from worker.tools import ToolSpec, tool
 
@@ -92,20 +94,29 @@ class Registry:
         """Tool declarations in the given provider's request format."""
         return [declaration(spec, provider) for spec in self]
 
+    def neutral_declarations(self) -> list[ToolDeclaration]:
+        """Provider-neutral declarations of every tool, in registration order."""
+        return [tool_declaration(spec) for spec in self]
+
+
+class ToolDeclaration(BaseModel):
+    """A tool as declared to the model, provider-neutral (each provider adapter renders it)."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    strict: bool = False
+
+
+def tool_declaration(spec: ToolSpec) -> ToolDeclaration:
+    """The provider-neutral declaration of a tool: the one place its parameter schema is built."""
+    params = parameters_schema(spec.args_model)
+    return ToolDeclaration(name=spec.name, description=spec.description, parameters=params,
+                           strict=strict_compatible(params))
+
 
 def declaration(spec: ToolSpec, provider: Provider) -> dict[str, Any]:
-    """One tool's declaration for Chat Completions, Anthropic Messages or Responses."""
-    params = parameters_schema(spec.args_model)
-    if provider == "anthropic":
-        return {"name": spec.name, "description": spec.description, "input_schema": params}
-    function = {
-        "name": spec.name,
-        "description": spec.description,
-        "parameters": params,
-        "strict": strict_compatible(params),
-    }
-    if provider == "chat":
-        return {"type": "function", "function": function}
-    if provider == "responses":
-        return {"type": "function", **function}
-    raise ValueError(f"unknown provider {provider!r}; expected one of {PROVIDERS}")
+    """One tool's declaration for a provider's request; ValueError for an unknown provider."""
+    from orchestrator.providers import get_adapter  # the adapters know the formats; lazy: no import cycle
+
+    return get_adapter(provider).render_tool(tool_declaration(spec))

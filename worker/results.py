@@ -5,6 +5,7 @@ from __future__ import annotations
 from worker import errors
 from worker.execution import HandlerOutcome
 from worker.models import ToolCall, ToolResult
+from worker.policy import policy_of
 from worker.shaping import cap_content
 from worker.spill import SessionSpill
 from worker.tools import ToolSpec
@@ -34,7 +35,7 @@ def result_from_outcome(
             truncated=truncated,
         )
     partial, _ = cap_content(outcome.output, _PARTIAL_OUTPUT_CHARS, None) if outcome.output.strip() else ("", None)
-    unsafe_unobserved = spec.side_effect == "unsafe" and outcome.started
+    unsafe_unobserved = policy_of(spec.side_effect).unobserved_is_unknown and outcome.started
     if outcome.status == "timeout":
         error = (
             errors.outcome_unknown(call, f"it exceeded its {spec.timeout:g} s limit and was killed")

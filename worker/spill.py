@@ -1,7 +1,8 @@
 """Where full outputs go when `content` is cut, and the built-in `read_output` tool that reads them.
 
-Embedded mode keeps spills in process memory (the worker runs in the same process); distributed
-mode keeps them in Redis with the result TTL so any worker can serve `read_output`.
+Embedded mode keeps spills in memory, one store per embedded app (the worker runs in the same
+process); distributed mode keeps them in Redis with the result TTL so any worker can serve
+`read_output`.
 
 A spill belongs to the session whose call produced it: it is stored under that session and
 `read_output` reads only the calling session's spills, so a reference seen (or guessed) in
@@ -98,25 +99,12 @@ class RedisSpillStore:
         return text[offset : offset + limit], len(text)
 
 
-_store: SpillStore = MemorySpillStore()
+def read_output_tool(store: SpillStore) -> ToolSpec:
+    """The built-in `read_output` tool, reading `store`.
 
-
-def set_spill_store(store: SpillStore) -> None:
-    """Select this process's spill store (the worker does it at start from its configuration)."""
-    global _store
-    _store = store
-
-
-def spill_store() -> SpillStore:
-    """This process's spill store."""
-    return _store
-
-
-def read_output_tool(store: SpillStore | None = None) -> ToolSpec:
-    """The built-in `read_output` tool, reading `store` (default: this process's spill store).
-
-    A pipeline with a store of its own needs a `read_output` bound to that store, or the refs its
-    notices hand out would not resolve.
+    There is no process-wide store: each worker runtime (one per Celery app, so one per embedded
+    orchestrator) and each `Pipeline` spills into its own and binds its own `read_output` to it, or
+    the refs its notices hand out would resolve in another's store.
     """
 
     def read_output(
@@ -127,7 +115,7 @@ def read_output_tool(store: SpillStore | None = None) -> ToolSpec:
     ) -> str:
         """Read part of a tool output that was too long to show in full."""
         # Only this session's spills: another session's reference reads as unknown.
-        found = (store if store is not None else spill_store()).read(context.session_id, ref, offset, limit)
+        found = store.read(context.session_id, ref, offset, limit)
         if found is None:
             raise LookupError(f"no stored output {ref!r} in this conversation: the reference is wrong or has expired")
         text, total = found
@@ -137,5 +125,3 @@ def read_output_tool(store: SpillStore | None = None) -> ToolSpec:
 
     return tool(read_output, side_effect="read", timeout=10, sandbox={"isolate": False}, max_output_chars=50_000)
 
-
-read_output = read_output_tool()

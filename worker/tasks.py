@@ -26,6 +26,7 @@ from worker.execution import HandlerOutcome
 from worker.idempotency import Claim, ClaimState
 from worker.models import ErrorCode, SideEffect, ToolCall, ToolResult
 from worker.payloads import CallPayload, CallRef
+from worker.policy import SIDE_EFFECT_POLICIES, policy_of
 from worker.results import result_from_outcome
 from worker.runner import run_handler, unavailable_tool_result
 from worker.soft_limit import soft_limit_held, soft_limit_live
@@ -35,11 +36,7 @@ from worker.worker_runtime import WorkerRuntime, runtime_of
 
 log = logging.getLogger("toolchord.worker")
 
-TASK_NAMES: dict[SideEffect, str] = {
-    "read": "toolchord.call.read",
-    "idempotent": "toolchord.call.idempotent",
-    "unsafe": "toolchord.call.unsafe",
-}
+TASK_NAMES: dict[SideEffect, str] = {name: policy.task_name for name, policy in SIDE_EFFECT_POLICIES.items()}
 COLLECT_TASK = "toolchord.collect"
 
 # Poll interval while another delivery of the same key holds a live claim.
@@ -123,7 +120,7 @@ class CallExecution:
             return self._for_this_call(claim.result_json)
         if claim.state is ClaimState.CANCELLED:
             return self._not_executed("the turn was cancelled or gave up on it before it started")
-        if claim.state is ClaimState.RECLAIMED and spec.side_effect == "unsafe":
+        if claim.state is ClaimState.RECLAIMED and not policy_of(spec.side_effect).repeatable:
             reconciled = self._reconcile(spec)
             if reconciled is not None:
                 # Nobody saw how the earlier attempt ended: if it comes back after all, its real
@@ -133,11 +130,11 @@ class CallExecution:
         outcome = self._run_handler(spec, token)
         spill = SessionSpill(self.rt.spill, self.p.session_id)
         result = result_from_outcome(self.call, spec, outcome, attempts=self.attempt, spill=spill)
-        countdown = self._retry_countdown(spec, outcome)
-        if countdown is not None:
-            forget = not outcome.started or spec.side_effect != "unsafe"
+        retry_in = self._retry_countdown(spec, outcome)
+        if retry_in is not None:
+            forget = not outcome.started or policy_of(spec.side_effect).repeatable
             store.release(self.p.key, token, forget_start=forget)
-            raise _Retry(countdown, f"{outcome.status}: {outcome.error_type}")
+            raise _Retry(retry_in, f"{outcome.status}: {outcome.error_type}")
         return self._store(token, result)
 
     def _claim_or_wait(self, token: str) -> Claim:
@@ -206,9 +203,9 @@ class CallExecution:
         if not self.may_retry:
             return None
         if outcome.status == "error" and outcome.transient:
-            retry = spec.side_effect != "unsafe" or not outcome.started
+            retry = policy_of(spec.side_effect).repeatable or not outcome.started
         elif outcome.status == "timeout":
-            retry = spec.side_effect != "unsafe" and self.attempt == 1
+            retry = policy_of(spec.side_effect).repeatable and self.attempt == 1
         else:
             retry = False
         if not retry:
@@ -328,7 +325,7 @@ def collect(results: list[Any], order: list[dict[str, Any]]) -> list[dict[str, A
             call = ToolCall(id=ref.id, name=ref.name, arguments_raw="")
             error = (
                 errors.outcome_unknown(call, "its result was lost")
-                if ref.side_effect == "unsafe"
+                if policy_of(ref.side_effect).unobserved_is_unknown
                 else errors.execution_error(call, "ResultLost", "the worker returned no result for this call")
             )
             found = errors.error_result(call, error).model_dump(mode="json")

@@ -17,7 +17,7 @@ from worker.config import Settings
 from worker.idempotency import IdempotencyStore, LeaseRenewer, MemoryIdempotencyStore, RedisIdempotencyStore
 from worker.observability.hooks import ObservedStore
 from worker.registry import Registry
-from worker.spill import MemorySpillStore, RedisSpillStore, SpillStore, read_output, set_spill_store
+from worker.spill import MemorySpillStore, RedisSpillStore, SpillStore, read_output_tool
 
 _RUNTIMES: weakref.WeakSet[WorkerRuntime] = weakref.WeakSet()
 
@@ -29,7 +29,7 @@ class WorkerRuntime:
         _RUNTIMES.add(self)
         self.settings = settings
         self.registry = registry
-        registry.add_missing([read_output])
+        registry.add_missing([read_output_tool(_RuntimeSpill(self))])
         self._memory_store = MemoryIdempotencyStore() if settings.redis_url is None else None
         self._embedded_worker: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -60,11 +60,8 @@ class WorkerRuntime:
 
     @cached_property
     def spill(self) -> SpillStore:
-        spill: SpillStore = (
-            MemorySpillStore() if self.redis is None else RedisSpillStore(self.redis, self.settings.result_ttl)
-        )
-        set_spill_store(spill)
-        return spill
+        # This runtime's own store: several embedded apps in one process never share spills.
+        return MemorySpillStore() if self.redis is None else RedisSpillStore(self.redis, self.settings.result_ttl)
 
     def reset_connections(self) -> None:
         """Forget connections inherited over fork; each pool child opens its own."""
@@ -93,6 +90,20 @@ class WorkerRuntime:
             thread = threading.Thread(target=worker.start, name="toolchord-embedded-worker", daemon=True)
             thread.start()
             self._embedded_worker = thread
+
+
+class _RuntimeSpill:
+    """A runtime's spill store as its `read_output` reads it: looked up at each call, so a pool
+    child (which reopens its connections after fork) reads through its own."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self._runtime = runtime
+
+    def put(self, session_id: str, text: str) -> str:
+        return self._runtime.spill.put(session_id, text)
+
+    def read(self, session_id: str, ref: str, offset: int, limit: int) -> tuple[str, int] | None:
+        return self._runtime.spill.read(session_id, ref, offset, limit)
 
 
 class AppBoundThreadPool(ThreadTaskPool):

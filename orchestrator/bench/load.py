@@ -109,7 +109,7 @@ class _TimedOrchestrator(Orchestrator):
 
     def _start(
         self, session_id: str, calls: list[ToolCall], provider: Provider, turn_id: str | None
-    ) -> tuple[TurnRecord, str | None] | TurnResult:
+    ) -> TurnResult | tuple[TurnRecord, str]:
         began = time.perf_counter()
         try:
             return super()._start(session_id, calls, provider, turn_id)

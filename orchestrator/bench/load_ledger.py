@@ -12,6 +12,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from worker.models import ErrorCode, SideEffect
+from worker.policy import policy_of
 
 
 class CallOutcome(BaseModel):
@@ -49,13 +50,14 @@ def check_ledger(outcomes: list[CallOutcome], effects: dict[str, int]) -> Ledger
         count = effects.get(outcome.tag, 0)
         if outcome.results != 1:
             bad_results += 1
-        if outcome.side_effect == "unsafe" and count > 1:
+        once_only = not policy_of(outcome.side_effect).repeatable
+        if once_only and count > 1:
             unsafe_twice += 1
         elif count > 1:
             reran += 1
         if outcome.status == "ok" and count >= 1:
             ok += 1
-        elif outcome.side_effect == "unsafe" and outcome.code == ErrorCode.OUTCOME_UNKNOWN.value and count <= 1:
+        elif once_only and outcome.code == ErrorCode.OUTCOME_UNKNOWN.value and count <= 1:
             unknown += 1
         else:
             lost += 1

@@ -145,7 +145,9 @@ class RedisServer:
             self.proc = None
 
 
-def worker_env(redis_url: str, tool_modules: str, base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+def worker_env(
+    redis_url: str, tool_modules: str, base: Mapping[str, str] | None = None, /, **extra: str
+) -> dict[str, str]:
     """Environment for a worker on `redis_url` loading `tool_modules`; other TOOLCHORD_* variables dropped."""
     source = os.environ if base is None else base
     env = {k: v for k, v in source.items() if not k.startswith("TOOLCHORD_")}

@@ -173,7 +173,7 @@ class McpRegistry(Registry):
         self._listed: dict[str, ToolSpec] | None = None
         super().__init__()
 
-    @property  # type: ignore[override]
+    @property
     def _tools(self) -> dict[str, ToolSpec]:
         if self._listed is None:
             overrides, defaults, prefix = self._source

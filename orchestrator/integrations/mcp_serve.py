@@ -17,20 +17,25 @@ from mcp.server.mcpserver import MCPServer
 
 from orchestrator.runtime import Orchestrator
 from worker.models import ToolCall, ToolResult
+from worker.policy import policy_of
 from worker.schema import parameters_schema
 from worker.tools import ToolSpec
 
-_ANNOTATIONS = {
-    "read": types.ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True),
-    "idempotent": types.ToolAnnotations(read_only_hint=False, idempotent_hint=True),
-    "unsafe": types.ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False),
-}
+
+def _annotations(spec: ToolSpec) -> types.ToolAnnotations:
+    """The side-effect class's policy as MCP hints (a read-only tool is neither destructive nor not)."""
+    policy = policy_of(spec.side_effect)
+    if policy.read_only:
+        return types.ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True)
+    if policy.repeatable:
+        return types.ToolAnnotations(read_only_hint=False, idempotent_hint=True)
+    return types.ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False)
 
 
 def mcp_tool(spec: ToolSpec) -> types.Tool:
     """A toolchord tool as an MCP tool declaration; its side-effect class as annotations."""
     return types.Tool(name=spec.name, description=spec.description, input_schema=parameters_schema(spec.args_model),
-                      annotations=_ANNOTATIONS[spec.side_effect])
+                      annotations=_annotations(spec))
 
 
 def call_result(result: ToolResult) -> types.CallToolResult:

@@ -170,7 +170,7 @@ class SessionPool:
                 try:
                     await asyncio.wait_for(session.send_ping(), _PING_SECONDS)
                     return session
-                except (MCPError, OSError, asyncio.TimeoutError):
+                except (TimeoutError, MCPError, OSError):
                     pass
             if live is not None:
                 await live.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from agents import FunctionTool, RunConfig
+from agents import FunctionTool, RunConfig, Tool
 from agents.run_config import ToolErrorFormatterArgs
 from agents.tool_context import ToolContext
 
@@ -55,7 +55,7 @@ class ToolchordTools:
         self.registry = registry if registry is not None else orchestrator.registry
         self.session_id = session_id
         self.batcher = TurnBatcher(orchestrator, window=batch_window)
-        self.tools: list[FunctionTool] = [self._function_tool(spec) for spec in self.registry]
+        self.tools: list[Tool] = [self._function_tool(spec) for spec in self.registry]
 
     def _session(self, ctx: ToolContext[Any]) -> str:
         return self.session_id(ctx) if callable(self.session_id) else self.session_id
@@ -94,7 +94,7 @@ class ToolchordTools:
         return RunConfig(**options)
 
 
-def function_tools(orchestrator: Orchestrator, *, session_id: SessionId, **options: Any) -> list[FunctionTool]:
+def function_tools(orchestrator: Orchestrator, *, session_id: SessionId, **options: Any) -> list[Tool]:
     """Shortcut for `ToolchordTools(orchestrator, session_id=..., **options).tools`."""
     return ToolchordTools(orchestrator, session_id=session_id, **options).tools
 

@@ -8,7 +8,14 @@ from __future__ import annotations
 from orchestrator.providers.anthropic_messages import AnthropicMessagesAdapter, AnthropicStreamAccumulator
 from orchestrator.providers.chat_completions import ChatCompletionsAdapter, ChatStreamAccumulator
 from orchestrator.providers.plain_data import parse_arguments
-from orchestrator.providers.protocol import ProviderAdapter, ProviderFormatError, ProviderName, StreamAccumulator
+from orchestrator.providers.protocol import (
+    AssistantText,
+    PairingError,
+    ProviderAdapter,
+    ProviderFormatError,
+    ProviderName,
+    StreamAccumulator,
+)
 from orchestrator.providers.responses_api import ResponsesAdapter, ResponsesStreamAccumulator
 
 _ADAPTERS: dict[str, ProviderAdapter] = {
@@ -19,7 +26,7 @@ _ADAPTERS: dict[str, ProviderAdapter] = {
 
 
 def get_adapter(provider: ProviderName) -> ProviderAdapter:
-    """The adapter for a provider API name; ValueError for an unknown name."""
+    """The adapter for a provider API name; ValueError for an unknown name (never another's adapter)."""
     try:
         return _ADAPTERS[provider]
     except KeyError:
@@ -28,6 +35,8 @@ def get_adapter(provider: ProviderName) -> ProviderAdapter:
 
 __all__ = [
     "AnthropicMessagesAdapter",
+    "AssistantText",
+    "PairingError",
     "AnthropicStreamAccumulator",
     "ChatCompletionsAdapter",
     "ChatStreamAccumulator",

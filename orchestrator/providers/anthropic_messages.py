@@ -10,19 +10,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.providers.pairing import PairingEntry, check_entries
 from orchestrator.providers.plain_data import (
     as_list,
     as_mapping,
     check_unique_ids,
     compact_json,
+    indexed_across,
+    messages_text,
     parse_arguments,
     read_arguments,
     required_text,
     to_plain,
     without_nulls,
 )
-from orchestrator.providers.protocol import ProviderFormatError, ProviderName
+from orchestrator.providers.protocol import AssistantText, ProviderFormatError, ProviderName
 from worker.models import ToolCall, ToolResult
+from worker.registry import ToolDeclaration
 
 INVALID_JSON_KEY = "INVALID_JSON"
 """A tool_use `input` must be an object. When streamed input is not a JSON object, the block keeps
@@ -31,6 +35,9 @@ streaming), and reading such a block gives back the text with `arguments=None`."
 
 # Blocks whose input arrives as input_json_delta fragments when streamed.
 _STREAMED_INPUT_BLOCKS = frozenset({"tool_use", "server_tool_use"})
+_REASONING_BLOCKS = frozenset({"thinking", "redacted_thinking"})
+# Anthropic refuses an empty assistant message; a migrated turn without text or calls says so.
+EMPTY_TURN_TEXT = "(no output)"
 
 
 def _content_blocks(output: Any) -> list[Any] | str:
@@ -53,11 +60,33 @@ def _input_arguments(block: dict[str, Any], what: str) -> tuple[str, dict[str, A
     if "input" not in block:
         raise ProviderFormatError(f"{what} has no 'input'")
     value = block["input"]
-    if isinstance(value, dict) and set(value) == {INVALID_JSON_KEY} and isinstance(value[INVALID_JSON_KEY], str):
+    if _is_invalid_json_wrapper(value):
         return value[INVALID_JSON_KEY], None
     if isinstance(value, dict):
-        return compact_json(value), value
-    return read_arguments(value)
+        return read_arguments(value)
+    # A string, null, number or list is not a tool input: the call is answered INVALID_JSON with
+    # the value's JSON as what the model sent (a string is not parsed: "{...}" text is not an object).
+    return compact_json(value), None
+
+
+def _is_invalid_json_wrapper(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == {INVALID_JSON_KEY} and isinstance(value[INVALID_JSON_KEY], str)
+
+
+def _request_block(block: Any) -> Any:
+    """A content block as a request takes it: a tool_use `input` that is not an object becomes `{}`."""
+    if isinstance(block, dict) and block.get("type") == "tool_use":
+        value = block.get("input")
+        if not isinstance(value, dict) or _is_invalid_json_wrapper(value):
+            return {**block, "input": {}}
+    return block
+
+
+def _request_message(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if isinstance(content, list):
+        return {**message, "content": [_request_block(block) for block in content]}
+    return message
 
 
 def _read_calls(content: list[Any] | str) -> list[ToolCall]:
@@ -117,7 +146,7 @@ class AnthropicMessagesAdapter:
         """One assistant message with every content block verbatim (thinking signatures included)."""
         content = _content_blocks(output)
         _read_calls(content)
-        return [{"role": "assistant", "content": without_nulls(content)}]
+        return [_request_message({"role": "assistant", "content": without_nulls(content)})]
 
     def result_items(
         self,
@@ -144,6 +173,67 @@ class AnthropicMessagesAdapter:
     def stream_accumulator(self) -> AnthropicStreamAccumulator:
         """A fresh accumulator for raw Messages stream events."""
         return AnthropicStreamAccumulator()
+
+    def render_tool(self, declaration: ToolDeclaration) -> dict[str, Any]:
+        """`{name, description, input_schema}` (Anthropic has no strict flag here)."""
+        return {"name": declaration.name, "description": declaration.description,
+                "input_schema": declaration.parameters}
+
+    def clean_items(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each stored assistant message as `assistant_items` writes it."""
+        return [_request_message(item) for item in items]
+
+    def calls_in_items(self, items: list[dict[str, Any]]) -> list[ToolCall]:
+        """The calls of every stored message, indexed across them."""
+        return indexed_across([call for item in items for call in _read_calls(_content_blocks(item))])
+
+    def assistant_text(self, items: list[dict[str, Any]]) -> AssistantText:
+        """The text blocks; thinking and redacted_thinking blocks are counted, not kept."""
+        return messages_text(items, _REASONING_BLOCKS)
+
+    def assistant_turn(self, texts: list[str], calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """One assistant message: a text block per text, then a tool_use block per call."""
+        blocks: list[dict[str, Any]] = [{"type": "text", "text": text} for text in texts]
+        blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments if c.arguments is not None
+                    else {}} for c in calls]
+        return [{"role": "assistant", "content": blocks or [{"type": "text", "text": EMPTY_TURN_TEXT}]}]
+
+    def append_message(self, messages: list[dict[str, Any]], message: dict[str, Any]) -> None:
+        """Consecutive user messages are merged into one: Anthropic's turns must alternate."""
+        if messages and message.get("role") == "user" and messages[-1].get("role") == "user":
+            messages[-1]["content"] = _as_blocks(messages[-1]["content"]) + _as_blocks(message["content"])
+            return
+        messages.append(message)
+
+    def place_conversation(self, request: dict[str, Any], system: str | None, messages: list[dict[str, Any]],
+                           max_tokens: int) -> None:
+        """`max_tokens` is required; the system prompt is the top-level `system` field."""
+        request.setdefault("max_tokens", max_tokens)
+        if system:
+            request["system"] = system
+        request["messages"] = messages
+
+    def check_pairing(self, request: dict[str, Any]) -> None:
+        """The tool_result blocks are in the (user) message right after their tool_use."""
+        entries: list[PairingEntry] = []
+        for position, message in enumerate(request.get("messages", [])):
+            content = message.get("content")
+            for block in content if isinstance(content, list) else []:
+                if block.get("type") == "tool_use":
+                    entries.append(("call", block["id"], position))
+                elif block.get("type") == "tool_result":
+                    entries.append(("result", block["tool_use_id"], position))
+
+        def misplaced(call_id: str, call_at: int, result_at: int) -> str | None:
+            if result_at != call_at + 1:
+                return f"tool_result for {call_id!r} is not in the message after its tool_use"
+            return None
+
+        check_entries(entries, misplaced)
+
+
+def _as_blocks(content: Any) -> list[Any]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
 
 
 @dataclass

@@ -9,20 +9,39 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.providers.pairing import PairingEntry, check_entries
 from orchestrator.providers.plain_data import (
+    DeltaFields,
     as_list,
     as_mapping,
+    call_arguments_json,
     check_unique_ids,
+    function_declaration,
+    indexed_across,
+    messages_text,
     read_arguments,
+    replayable_arguments,
     required_text,
     to_plain,
     without_nulls,
 )
-from orchestrator.providers.protocol import ProviderFormatError, ProviderName
+from orchestrator.providers.protocol import AssistantText, PairingError, ProviderFormatError, ProviderName
 from worker.models import ToolCall, ToolResult
+from worker.registry import ToolDeclaration
 
-# Fields of a response message that the request's assistant message does not take.
-_RESPONSE_ONLY_FIELDS = frozenset({"annotations"})
+# Fields of a response message (and of its tool calls) that a request's assistant message does not
+# take: `parsed`, `index` and `parsed_arguments` come from the SDK's parse helpers and accumulator.
+# Every other field is kept: providers' extensions must go back (DeepSeek `reasoning_content`,
+# OpenRouter `reasoning_details`, Gemini `extra_content.google.thought_signature`).
+_RESPONSE_ONLY_FIELDS = frozenset({"annotations", "parsed"})
+_RESPONSE_ONLY_CALL_FIELDS = frozenset({"index"})
+_RESPONSE_ONLY_FUNCTION_FIELDS = frozenset({"parsed_arguments"})
+# Delta fields the stream accumulator interprets; any other field is merged as it comes.
+_INTERPRETED_DELTA_FIELDS = frozenset({"role", "content", "refusal", "tool_calls", "function_call"})
+_INTERPRETED_FRAGMENT_FIELDS = frozenset({"index", "id", "type", "function"})
+_INTERPRETED_FUNCTION_FIELDS = frozenset({"name", "arguments"})
+_REASONING_PART_TYPES = frozenset({"reasoning", "thinking", "redacted_thinking"})
+_REASONING_FIELDS = ("reasoning_content", "reasoning_details", "reasoning")
 
 
 def _assistant_message(output: Any) -> dict[str, Any]:
@@ -71,8 +90,27 @@ def _read_calls(message: dict[str, Any]) -> list[ToolCall]:
     return calls
 
 
+def _without(data: dict[str, Any], keys: frozenset[str]) -> dict[str, Any]:
+    return {key: value for key, value in data.items() if key not in keys}
+
+
+def _request_call(call: Any) -> Any:
+    """A tool call as a request takes it: response-only fields out, function arguments that are not
+    a JSON object as `{}` (a custom tool's freeform input is text by design: kept)."""
+    if not isinstance(call, dict):
+        return call
+    request = _without(call, _RESPONSE_ONLY_CALL_FIELDS)
+    function = request.get("function")
+    if isinstance(function, dict):
+        request["function"] = {**_without(function, _RESPONSE_ONLY_FUNCTION_FIELDS),
+                               "arguments": replayable_arguments(function.get("arguments"))}
+    return request
+
+
 def _request_message(message: dict[str, Any]) -> dict[str, Any]:
-    request = {key: value for key, value in without_nulls(message).items() if key not in _RESPONSE_ONLY_FIELDS}
+    request = _without(without_nulls(message), _RESPONSE_ONLY_FIELDS)
+    if isinstance(request.get("tool_calls"), list):
+        request["tool_calls"] = [_request_call(call) for call in request["tool_calls"]]
     audio = request.pop("audio", None)
     if isinstance(audio, dict) and audio.get("id"):
         # A request refers to earlier audio by id only; data and transcript are response fields.
@@ -108,6 +146,56 @@ class ChatCompletionsAdapter:
         """A fresh accumulator for `ChatCompletionChunk` events."""
         return ChatStreamAccumulator()
 
+    def render_tool(self, declaration: ToolDeclaration) -> dict[str, Any]:
+        """`{"type": "function", "function": {name, description, parameters, strict}}`."""
+        return {"type": "function", "function": function_declaration(declaration)}
+
+    def clean_items(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each stored assistant message as `assistant_items` writes it."""
+        return [_request_message(item) for item in items]
+
+    def calls_in_items(self, items: list[dict[str, Any]]) -> list[ToolCall]:
+        """The calls of every stored message, indexed across them."""
+        return indexed_across([call for item in items for call in _read_calls(_assistant_message(item))])
+
+    def assistant_text(self, items: list[dict[str, Any]]) -> AssistantText:
+        """Content text; reasoning parts and reasoning extension fields are counted, not kept."""
+        return messages_text(items, _REASONING_PART_TYPES, _REASONING_FIELDS)
+
+    def assistant_turn(self, texts: list[str], calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """One assistant message: the text joined, then the calls."""
+        message: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(texts) or None}
+        if calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": call_arguments_json(c)}}
+                for c in calls
+            ]
+        return [message]
+
+    def append_message(self, messages: list[dict[str, Any]], message: dict[str, Any]) -> None:
+        """Chat takes consecutive messages of one role as they are."""
+        messages.append(message)
+
+    def place_conversation(self, request: dict[str, Any], system: str | None, messages: list[dict[str, Any]],
+                           max_tokens: int) -> None:
+        """The system prompt is the first message; max_tokens is optional in Chat, so left out."""
+        request["messages"] = ([{"role": "system", "content": system}] if system else []) + messages
+
+    def check_pairing(self, request: dict[str, Any]) -> None:
+        """Tool messages come right after the assistant message that made the calls."""
+        messages = request.get("messages", [])
+        entries: list[PairingEntry] = []
+        for position, message in enumerate(messages):
+            entries += [("call", call["id"], position) for call in message.get("tool_calls") or []]
+            if message.get("role") == "tool":
+                entries.append(("result", message["tool_call_id"], position))
+        check_entries(entries, lambda call_id, call_at, result_at: None)
+        for position, message in enumerate(messages):
+            ids = [c["id"] for c in message.get("tool_calls") or []]
+            following = [m.get("tool_call_id") for m in messages[position + 1:position + 1 + len(ids)]]
+            if ids and sorted(following) != sorted(ids):
+                raise PairingError(f"tool messages for {ids} do not directly follow their assistant message")
+
 
 @dataclass
 class _CallDraft:
@@ -116,13 +204,12 @@ class _CallDraft:
     name: str | None = None
     kind: str = "function"
     argument_parts: list[str] = field(default_factory=list)
+    extra: DeltaFields = field(default_factory=DeltaFields)
+    function_extra: DeltaFields = field(default_factory=DeltaFields)
 
     def as_tool_call_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": "".join(self.argument_parts)},
-        }
+        function = {"name": self.name, "arguments": "".join(self.argument_parts), **self.function_extra.value()}
+        return {"id": self.id, "type": "function", "function": function, **self.extra.value()}
 
 
 class ChatStreamAccumulator:
@@ -138,6 +225,7 @@ class ChatStreamAccumulator:
         self._drafts: dict[int, _CallDraft] = {}
         self._content: list[str] = []
         self._refusal: list[str] = []
+        self._extra = DeltaFields()
         self._completed = False
 
     def feed(self, event: Any) -> list[ToolCall]:
@@ -159,6 +247,7 @@ class ChatStreamAccumulator:
     def assistant_output(self) -> dict[str, Any]:
         """The assembled assistant message as a dict (what `parse_calls` accepts)."""
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self._content) or None}
+        message.update(self._extra.value())
         if self._refusal:
             message["refusal"] = "".join(self._refusal)
         if self._drafts:
@@ -172,6 +261,7 @@ class ChatStreamAccumulator:
             self._refusal.append(delta["refusal"])
         if delta.get("function_call") is not None:
             raise ProviderFormatError("legacy 'function_call' is not supported; declare tools instead of functions")
+        self._extra.add(delta, _INTERPRETED_DELTA_FIELDS)
         for fragment in as_list(delta.get("tool_calls"), "delta.tool_calls"):
             self._apply_fragment(as_mapping(fragment, "tool call fragment"))
 
@@ -194,6 +284,8 @@ class ChatStreamAccumulator:
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             draft.argument_parts.append(arguments)
+        draft.extra.add(fragment, _INTERPRETED_FRAGMENT_FIELDS)
+        draft.function_extra.add(function, _INTERPRETED_FUNCTION_FIELDS)
 
     def _draft_for(self, fragment: dict[str, Any]) -> _CallDraft:
         index = fragment.get("index")

@@ -8,7 +8,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from orchestrator.providers.protocol import ProviderFormatError
+from orchestrator.providers.protocol import AssistantText, ProviderFormatError
+from worker.models import ToolCall
+from worker.registry import ToolDeclaration
 
 # Values under these keys are the model's own data (tool arguments): a null inside them is meaningful.
 OPAQUE_KEYS = frozenset({"input", "arguments"})
@@ -23,7 +25,7 @@ def to_plain(value: Any) -> Any:
     if isinstance(value, BaseModel):
         sdk_to_dict = getattr(value, "to_dict", None)
         if callable(sdk_to_dict):
-            return sdk_to_dict(mode="json")
+            return sdk_to_dict(mode="json", warnings=False)  # leniently built SDK objects are normal
         return value.model_dump(mode="json", by_alias=True, exclude_unset=True)
     if isinstance(value, Mapping):
         return {str(key): to_plain(item) for key, item in value.items()}
@@ -52,16 +54,57 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def parse_arguments(raw: str) -> dict[str, Any] | None:
-    """The arguments as a dict when `raw` is strict JSON for an object, else None (never raises).
+class ArgumentsProblem(ValueError):
+    """Why argument text is not a JSON object; the message is what the model is told."""
 
-    NaN and Infinity are rejected: they are not JSON, and no provider sends them.
+
+_JSON_TYPE_NAMES = {dict: "object", list: "array", str: "string", int: "number", float: "number",
+                    bool: "boolean", type(None): "null"}
+
+
+def json_type_name(value: Any) -> str:
+    """The JSON name of a parsed value's type ("array", "string", "null", ...)."""
+    return _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def load_arguments(raw: str) -> dict[str, Any]:
+    """Argument text as a JSON object, or ArgumentsProblem saying why it is not one.
+
+    Empty (or whitespace-only) text means no arguments: `{}` (Chat models send "" for tools without
+    parameters). Strict JSON: NaN and Infinity are rejected (not JSON, no provider sends them), and
+    so are lone surrogates (`"\\ud800"`): they are not Unicode, so the arguments could not be
+    encoded for the sandbox, a worker or the event log.
     """
+    if not raw.strip():
+        return {}
     try:
         parsed = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, TypeError, RecursionError):
+    except json.JSONDecodeError as exc:
+        raise ArgumentsProblem(f"{exc.msg} at line {exc.lineno} column {exc.colno} (char {exc.pos})") from None
+    except ValueError as exc:
+        raise ArgumentsProblem(f"{exc} (use a number or null)") from None
+    except RecursionError:
+        raise ArgumentsProblem("unreadable input (RecursionError: nested too deeply)") from None
+    if not isinstance(parsed, dict):
+        raise ArgumentsProblem(f"got a JSON {json_type_name(parsed)}, expected an object")
+    try:
+        json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start:exc.end]
+        raise ArgumentsProblem(
+            f"it contains a lone surrogate ({bad.encode('unicode_escape').decode()}), which is not valid Unicode"
+        ) from None
+    except (ValueError, RecursionError):
+        raise ArgumentsProblem("unreadable input (nested too deeply)") from None
+    return parsed
+
+
+def parse_arguments(raw: str) -> dict[str, Any] | None:
+    """The arguments as a dict when `raw` is a JSON object by `load_arguments`' rules, else None."""
+    try:
+        return load_arguments(raw)
+    except ArgumentsProblem:
         return None
-    return parsed if isinstance(parsed, dict) else None
 
 
 def compact_json(value: Any) -> str:
@@ -73,15 +116,67 @@ def read_arguments(value: Any) -> tuple[str, dict[str, Any] | None]:
     """(arguments_raw, arguments) for arguments that arrive as JSON text or as an object.
 
     Text is kept verbatim and parsed; an object is serialized compactly and used as is; a missing
-    value reads as empty text (which the pipeline reports as INVALID_JSON).
+    value reads as empty text, which means no arguments (`{}`).
     """
     if value is None:
-        return "", None
+        return "", {}
     if isinstance(value, str):
         return value, parse_arguments(value)
-    if isinstance(value, dict):
-        return compact_json(value), value
-    return compact_json(value), None
+    text = compact_json(value)
+    return text, parse_arguments(text) if isinstance(value, dict) else None
+
+
+def replayable_arguments(text: Any) -> str:
+    """Argument text to send back in an assistant message: itself when it is a JSON object, else `{}`.
+
+    Some providers reject (HTTP 400) a replayed call whose arguments are not a JSON object; the
+    result the model got for the call already quotes what it sent.
+    """
+    return text if isinstance(text, str) and text.strip() and parse_arguments(text) is not None else "{}"
+
+
+def call_arguments_json(call: ToolCall) -> str:
+    """A call's arguments as JSON object text for a migrated turn (`{}` when they were unreadable)."""
+    return json.dumps(call.arguments if call.arguments is not None else {}, ensure_ascii=False)
+
+
+def function_declaration(declaration: ToolDeclaration) -> dict[str, Any]:
+    """The function-tool body OpenAI's APIs share (Chat nests it under "function", Responses does not)."""
+    return {"name": declaration.name, "description": declaration.description,
+            "parameters": declaration.parameters, "strict": declaration.strict}
+
+
+def text_parts(content: Any, reasoning_types: frozenset[str]) -> tuple[list[str], int]:
+    """The text of a content string or list of parts, and how many parts were reasoning."""
+    if isinstance(content, str):
+        return ([content] if content else []), 0
+    texts: list[str] = []
+    reasoning = 0
+    for part in content if isinstance(content, list) else []:
+        if not isinstance(part, dict):
+            continue
+        if part.get("type") in reasoning_types:
+            reasoning += 1
+        elif isinstance(part.get("text"), str) and part["text"]:
+            texts.append(part["text"])
+    return texts, reasoning
+
+
+def messages_text(messages: list[dict[str, Any]], reasoning_types: frozenset[str],
+                  reasoning_fields: tuple[str, ...] = ()) -> AssistantText:
+    """The text of stored assistant messages, counting reasoning parts and reasoning fields."""
+    texts: list[str] = []
+    reasoning = 0
+    for message in messages:
+        found, parts = text_parts(message.get("content"), reasoning_types)
+        texts += found
+        reasoning += parts + sum(1 for key in reasoning_fields if message.get(key))
+    return AssistantText(texts, reasoning)
+
+
+def indexed_across(calls: list[ToolCall]) -> list[ToolCall]:
+    """Calls of several stored messages of one turn, indexed by their position among all of them."""
+    return [call.model_copy(update={"index": index}) for index, call in enumerate(calls)]
 
 
 def as_mapping(value: Any, what: str) -> dict[str, Any]:
@@ -115,3 +210,97 @@ def check_unique_ids(ids: list[str], what: str) -> None:
         if call_id in seen:
             raise ProviderFormatError(f"{what}: two tool calls share the id {call_id!r}")
         seen.add(call_id)
+
+
+class _Text:
+    """Streamed text as its parts, joined once at the end (linear in the stream's length)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, first: str) -> None:
+        self.parts = [first]
+
+
+def _is_indexed(value: Any) -> bool:
+    return isinstance(value, list) and any(isinstance(entry, dict) and "index" in entry for entry in value)
+
+
+def _merge_into(target: dict[str, Any], delta: Mapping[str, Any]) -> None:
+    for key, value in delta.items():
+        if value is None:
+            continue
+        current = target.get(key)
+        if key in ("index", "type"):
+            target[key] = value  # identify an entry or a union member: replaced, never concatenated
+        elif current is None and _is_indexed(value):
+            target[key] = []
+            _merge_list(target[key], value)
+        elif current is None:
+            target[key] = _opened(value)
+        elif isinstance(current, _Text) and isinstance(value, str):
+            current.parts.append(value)
+        elif isinstance(current, dict) and isinstance(value, dict):
+            _merge_into(current, value)
+        elif isinstance(current, list) and isinstance(value, list):
+            _merge_list(current, value)
+        else:
+            target[key] = _opened(value)
+
+
+def _merge_list(target: list[Any], delta: list[Any]) -> None:
+    if not _is_indexed(delta):
+        target.extend(_opened(entry) for entry in delta)
+        return
+    for entry in delta:
+        index = entry.get("index") if isinstance(entry, dict) else None
+        if not isinstance(index, int):
+            raise ProviderFormatError(f"a streamed list entry has no integer 'index': {entry!r}")
+        if index < len(target) and isinstance(target[index], dict):
+            _merge_into(target[index], entry)
+        else:
+            target.insert(index, _opened(entry))
+
+
+def _opened(value: Any) -> Any:
+    """A delta value in the mergeable form: text as parts, containers copied."""
+    if isinstance(value, str):
+        return _Text(value)
+    if isinstance(value, dict):
+        merged: dict[str, Any] = {}
+        _merge_into(merged, value)
+        return merged
+    if isinstance(value, list):
+        return [_opened(entry) for entry in value]
+    return value
+
+
+def _closed(value: Any) -> Any:
+    if isinstance(value, _Text):
+        return "".join(value.parts)
+    if isinstance(value, dict):
+        return {key: _closed(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_closed(entry) for entry in value]
+    return value
+
+
+class DeltaFields:
+    """Stream delta fields an accumulator does not interpret itself, merged like the openai SDK's
+    accumulator: text concatenated, objects merged, lists of `index`ed objects merged by index,
+    other lists appended, `index`/`type` and other values replaced.
+
+    Provider extensions (DeepSeek `reasoning_content`, OpenRouter `reasoning_details`, Gemini
+    `extra_content`) must go back in the next request, so nothing unknown is dropped.
+    """
+
+    def __init__(self) -> None:
+        self._fields: dict[str, Any] = {}
+
+    def add(self, delta: Mapping[str, Any], known: frozenset[str]) -> None:
+        """Merge the fields of `delta` not in `known` (null values are no news)."""
+        _merge_into(self._fields, {key: value for key, value in delta.items() if key not in known})
+
+    def value(self) -> dict[str, Any]:
+        """The merged fields as plain JSON data."""
+        closed: dict[str, Any] = _closed(self._fields)
+        return closed

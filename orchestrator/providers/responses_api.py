@@ -8,20 +8,35 @@ from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.providers.pairing import PairingEntry, check_entries
 from orchestrator.providers.plain_data import (
     as_list,
     as_mapping,
+    call_arguments_json,
     check_unique_ids,
+    function_declaration,
     read_arguments,
+    replayable_arguments,
     required_text,
+    text_parts,
     to_plain,
     without_nulls,
 )
-from orchestrator.providers.protocol import ProviderFormatError, ProviderName
+from orchestrator.providers.protocol import AssistantText, ProviderFormatError, ProviderName
 from worker.models import ToolCall, ToolResult
+from worker.registry import ToolDeclaration
 
 # Output items the client must answer but cannot answer with a function_call_output.
 _UNSUPPORTED_CALL_ITEMS = frozenset({"custom_tool_call"})
+_REASONING_ITEMS = frozenset({"reasoning"})
+
+
+def _request_item(item: dict[str, Any]) -> dict[str, Any]:
+    """An output item as an input item: a function_call's arguments that are not an object become `{}`."""
+    item = without_nulls(item)
+    if item.get("type") == "function_call":
+        item["arguments"] = replayable_arguments(item.get("arguments"))
+    return item
 
 
 def _output_items(output: Any) -> list[Any]:
@@ -80,7 +95,7 @@ class ResponsesAdapter:
         """Every output item as an input item, verbatim: item ids, reasoning `encrypted_content`."""
         items = _output_items(output)
         _read_calls(items)
-        return [without_nulls(item) for item in items]
+        return [_request_item(as_mapping(item, "output item")) for item in items]
 
     def result_items(self, results: list[ToolResult]) -> list[dict[str, Any]]:
         """One `{"type": "function_call_output", "call_id", "output"}` item per result, in order."""
@@ -89,6 +104,62 @@ class ResponsesAdapter:
     def stream_accumulator(self) -> ResponsesStreamAccumulator:
         """A fresh accumulator for Responses stream events."""
         return ResponsesStreamAccumulator()
+
+    def render_tool(self, declaration: ToolDeclaration) -> dict[str, Any]:
+        """`{"type": "function", name, description, parameters, strict}`."""
+        return {"type": "function", **function_declaration(declaration)}
+
+    def clean_items(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each stored item as `assistant_items` writes it."""
+        return [_request_item(item) for item in items]
+
+    def calls_in_items(self, items: list[dict[str, Any]]) -> list[ToolCall]:
+        """The calls of the stored items (one turn is a flat list of items)."""
+        return _read_calls(list(items))
+
+    def assistant_text(self, items: list[dict[str, Any]]) -> AssistantText:
+        """The text of message items; reasoning items are counted, not kept."""
+        texts: list[str] = []
+        reasoning = 0
+        for item in items:
+            if item.get("type") in _REASONING_ITEMS:
+                reasoning += 1
+            elif item.get("type", "message") == "message":
+                texts += text_parts(item.get("content"), frozenset())[0]
+        return AssistantText(texts, reasoning)
+
+    def assistant_turn(self, texts: list[str], calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """An assistant message with the text (when there is any), then a function_call item per call."""
+        text = "\n\n".join(texts)
+        items: list[dict[str, Any]] = [{"role": "assistant", "content": text}] if text else []
+        items += [{"type": "function_call", "call_id": c.id, "name": c.name, "arguments": call_arguments_json(c)}
+                  for c in calls]
+        return items
+
+    def append_message(self, messages: list[dict[str, Any]], message: dict[str, Any]) -> None:
+        """Input items are taken as they are."""
+        messages.append(message)
+
+    def place_conversation(self, request: dict[str, Any], system: str | None, messages: list[dict[str, Any]],
+                           max_tokens: int) -> None:
+        """The system prompt is `instructions`; the conversation is `input`."""
+        if system:
+            request["instructions"] = system
+        request["input"] = messages
+
+    def check_pairing(self, request: dict[str, Any]) -> None:
+        """A function_call_output comes after its function_call."""
+        entries: list[PairingEntry] = []
+        for position, item in enumerate(request.get("input", [])):
+            if item.get("type") == "function_call":
+                entries.append(("call", item["call_id"], position))
+            elif item.get("type") == "function_call_output":
+                entries.append(("result", item["call_id"], position))
+
+        def misplaced(call_id: str, call_at: int, result_at: int) -> str | None:
+            return f"function_call_output for {call_id!r} precedes its call" if result_at <= call_at else None
+
+        check_entries(entries, misplaced)
 
 
 class ResponsesStreamAccumulator:

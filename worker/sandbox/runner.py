@@ -36,7 +36,6 @@ from worker.context import ToolContext
 from worker.execution import HandlerOutcome, call_handler
 from worker.sandbox import cgroup
 from worker.sandbox.capabilities import LAYERS, SandboxCapabilities, probe
-from worker.sandbox.disk import secret_directories
 from worker.sandbox.child import (
     RESULT_HEADER_BYTES,
     RESULT_MAGIC,
@@ -45,6 +44,7 @@ from worker.sandbox.child import (
     ChildPlan,
     child_main,
 )
+from worker.sandbox.disk import secret_directories
 from worker.sandbox.import_paths import private_import_roots
 from worker.sandbox.limits import cpu_seconds
 from worker.sandbox.profile import Layer, SandboxProfile

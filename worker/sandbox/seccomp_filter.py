@@ -102,7 +102,7 @@ def compile_filter(network: bool) -> bytes:
 
 
 def _build(network: bool) -> bytes:
-    import pyseccomp as seccomp  # type: ignore[import-untyped]
+    import pyseccomp as seccomp
 
     deny = seccomp.ERRNO(errno.EPERM)
     filt = seccomp.SyscallFilter(seccomp.ALLOW)
