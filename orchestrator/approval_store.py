@@ -171,7 +171,7 @@ class RedisApprovalStore:
 
     def pending(self, session_id: str | None = None) -> list[Approval]:
         out = []
-        members: list[bytes] = self.redis.zrange(PENDING_INDEX, 0, -1)  # type: ignore[assignment]
+        members: list[bytes] = self.redis.zrange(PENDING_INDEX, 0, -1)
         for member in members:
             member_session, call_id = json.loads(_text(member) or "[]")
             if session_id is not None and member_session != session_id:

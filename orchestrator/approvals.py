@@ -62,7 +62,7 @@ def needs_approval(spec: ToolSpec, arguments: dict[str, object]) -> bool:
     if policy == "always":
         return True
     try:
-        return bool(policy(dict(arguments)))  # type: ignore[operator]
+        return bool(policy(dict(arguments)))
     except Exception:
         log.exception("approval policy of %s failed; the call waits for a decision", spec.name)
         return True
@@ -255,7 +255,7 @@ def decided_event(approval: Approval) -> ApprovalDecided:
     assert approval.decided_at is not None and approval.decided_by is not None
     decision = {"APPROVED": "approved", "DENIED": "denied"}.get(approval.state, "expired")
     return ApprovalDecided(turn_id=approval.turn_id, call_id=approval.call.id, tool=approval.tool,
-                           decision=decision,  # type: ignore[arg-type]
+                           decision=decision,
                            by=approval.decided_by, note=approval.note, decided_at=approval.decided_at)
 
 

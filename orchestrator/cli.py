@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("flower", help="start Flower on toolchord's app (options: toolchord flower --help)", add_help=False)
     sub.add_parser("bench", help=f"run a benchmark: {', '.join(_BENCHES)}", add_help=False)
 
-    demo = sub.add_parser("demo", help="a full multi-turn conversation against a scripted model (embedded, or on the cluster when TOOLCHORD_BROKER_URL is set)")
+    demo = sub.add_parser("demo", help="a full multi-turn conversation against a scripted model "
+                                       "(embedded, or on the cluster when TOOLCHORD_BROKER_URL is set)")
     demo.add_argument("--provider", choices=PROVIDERS, default="chat")
     demo.add_argument("--stream", action="store_true", help="stream the model's answers")
     demo.add_argument("--log-dir", help="directory for the session log (default: $TOOLCHORD_LOG_DIR)")

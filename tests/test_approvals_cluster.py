@@ -122,6 +122,7 @@ def test_racing_approvers_run_the_call_once(start_worker, redis_url, clean_redis
     assert len(winners) == 1 and [d.by for d in _decisions(redis_url, "s-race")] == list(winners)
     # Even a second send under the planned task id and key does not run it again (the worker's claim).
     approval = orch.approvals.store.get("s-race", "call_0")
+    assert approval is not None
     orch.approvals._send(approval)
     result, = orch.approvals.settle("s-race", turn.turn_id).results
     assert result.status == "ok" and result.content == "1"

@@ -77,8 +77,8 @@ def test_one_trace_per_turn_across_the_worker_even_for_a_retried_call(
     assert len(turn_spans) == 1
     turn_span = turn_spans[0]
     trace_id = f"0x{turn_span.context.trace_id:032x}"
-    assert turn_span.attributes["toolchord.session_id"] == "s-trace"
-    assert turn_span.attributes["toolchord.turn_id"] == turn.turn_id
+    assert dict(turn_span.attributes or {})["toolchord.session_id"] == "s-trace"
+    assert dict(turn_span.attributes or {})["toolchord.turn_id"] == turn.turn_id
 
     def worker_side() -> list[dict[str, Any]]:
         return [s for s in _worker_spans(trace_file) if s["context"]["trace_id"] == trace_id]
@@ -111,7 +111,7 @@ def test_one_trace_per_turn_across_the_worker_even_for_a_retried_call(
         assert names == sorted(expected), (s["attributes"], names)
     # Redaction holds: ids and names only, never the arguments or the output.
     assert SECRET not in trace_file.read_text()
-    assert all(SECRET not in json.dumps(dict(s.attributes)) for s in spans.get_finished_spans())
+    assert all(SECRET not in json.dumps(dict(s.attributes or {})) for s in spans.get_finished_spans())
 
 
 def test_worker_command_sets_up_multiprocess_metrics() -> None:

@@ -28,8 +28,8 @@ import pytest
 
 from tests import sandbox_escape_tools as attacks
 from tests import sandbox_tools
-from tests.sandbox_tools import run
 from tests.cluster_helpers import call, orchestrator
+from tests.sandbox_tools import run
 from tests.unprivileged_sandbox_worker import zombie_children
 from worker import ErrorCode
 from worker.execution import HandlerOutcome

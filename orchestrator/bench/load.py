@@ -180,7 +180,8 @@ class _Plan:
         """The calls the kill lands on: the first call of the middle turn of sessions from the middle
         on, one per side-effect class, unsafe first, at most one per pool process of a worker (a
         worker must be able to run them all at once)."""
-        wanted: tuple[SideEffect, ...] = ("unsafe", "read", "idempotent")[:self.config.concurrency]
+        order: tuple[SideEffect, ...] = ("unsafe", "read", "idempotent")
+        wanted = order[: self.config.concurrency]
         turn = self.config.turns // 2
         doomed: dict[tuple[int, int, int], SideEffect] = {}
         for session in range(self.config.sessions // 2, self.config.sessions):
