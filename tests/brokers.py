@@ -6,10 +6,17 @@ vhosts are managed with `rabbitmqctl`, which must run on the same machine.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
+import tempfile
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
+from typing import IO
 
 from kombu import Connection
 from kombu.transport.native_delayed_delivery import MAX_LEVEL, level_name
@@ -18,6 +25,29 @@ RABBITMQ_ENV = "TC_TEST_RABBITMQ"
 DEFAULT_RABBITMQ = "amqp://guest:guest@127.0.0.1:5672"
 # Queues the tests' tools use, and Celery's delay queues (retry countdowns on quorum queues).
 TEST_QUEUES = ("toolchord", "b", *(level_name(level) for level in range(MAX_LEVEL + 1)))
+# Test processes that use the server at once (pytest-xdist workers, other checkouts) hold this file
+# locked shared; a test that restarts the server holds it exclusively, so no other test sees a
+# restart it did not ask for.
+LOCK_PATH = Path(tempfile.gettempdir()) / "toolchord-tests-rabbitmq.lock"
+
+
+@cache
+def _lock_file() -> IO[str]:
+    return open(LOCK_PATH, "a")  # held for the life of the process: flock belongs to the open file
+
+
+def _lock(operation: int) -> None:
+    fcntl.flock(_lock_file(), operation)
+
+
+@contextmanager
+def using_rabbitmq() -> Iterator[None]:
+    """Use the local RabbitMQ alongside other test processes; `RabbitVhost.restart_app` waits for them."""
+    _lock(fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        _lock(fcntl.LOCK_UN)
 
 
 class RabbitUnavailable(RuntimeError):
@@ -88,13 +118,19 @@ class RabbitVhost:
             self.created = False
 
     def restart_app(self) -> None:
-        """Stop and start the RabbitMQ application (the Erlang node stays up): every connection drops."""
+        """Stop and start the RabbitMQ application (the Erlang node stays up): every connection drops.
+
+        Call it inside `using_rabbitmq()`: it turns that shared hold into an exclusive one for the
+        restart, waiting until no other test process uses the server."""
+        _lock(fcntl.LOCK_EX)
         try:
             rabbitmqctl("stop_app")
         finally:
             # Whatever stop_app did, leave the shared server running.
             rabbitmqctl("start_app")
             rabbitmqctl("await_startup")
+            _lock(fcntl.LOCK_SH)
 
 
-__all__ = ["DEFAULT_RABBITMQ", "RABBITMQ_ENV", "TEST_QUEUES", "RabbitUnavailable", "RabbitVhost", "rabbitmqctl"]
+__all__ = ["DEFAULT_RABBITMQ", "LOCK_PATH", "RABBITMQ_ENV", "TEST_QUEUES", "RabbitUnavailable", "RabbitVhost", "rabbitmqctl",
+           "using_rabbitmq"]

@@ -7,16 +7,16 @@ wrapped as fixtures that fail with a clear message when something cannot start.
 from __future__ import annotations
 
 import gc
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from orchestrator.bench import processes
 from orchestrator.bench.processes import ROOT, ProcessStartError, RedisServer, WorkerProcess, free_port
-from tests.brokers import RabbitUnavailable, RabbitVhost
+from tests.brokers import RabbitUnavailable, RabbitVhost, using_rabbitmq
 
 __all__ = ["ROOT", "free_port", "worker_env"]
 
@@ -65,15 +65,24 @@ def clean_redis(redis_server: RedisServer) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture(scope="session")
-def rabbitmq() -> Iterator[RabbitVhost]:
+def rabbit_vhost() -> Iterator[RabbitVhost]:
     """A private vhost on the local RabbitMQ for this session, deleted afterwards; skip without RabbitMQ."""
     vhost = RabbitVhost()
     try:
-        vhost.create()
+        with using_rabbitmq():
+            vhost.create()
     except RabbitUnavailable as exc:
         pytest.skip(f"RabbitMQ broker tests skipped: {exc}")
     yield vhost
-    vhost.delete()
+    with using_rabbitmq():
+        vhost.delete()
+
+
+@pytest.fixture
+def rabbitmq(rabbit_vhost: RabbitVhost) -> Iterator[RabbitVhost]:
+    """The session's vhost, with the server held in shared use for the test (see tests/brokers.py)."""
+    with using_rabbitmq():
+        yield rabbit_vhost
 
 
 @pytest.fixture
@@ -109,10 +118,20 @@ def start_worker(redis_url: str, broker_url: str, clean_redis: redis.Redis,
         worker.stop()
 
 
+FAULT_ROW = "fault_summary_row"
+_fault_rows: list[Sequence[Any]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Collect the fault summary's rows (test reports carry them here from pytest-xdist workers too)."""
+    if report.when == "teardown":
+        _fault_rows.extend(value for key, value in report.user_properties if key == FAULT_ROW)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Print the fault-injection summary when the fault tests ran."""
-    faults = sys.modules.get("tests.test_faults")
-    if faults is not None and faults.ROWS:
+    if _fault_rows:
         terminalreporter.section("fault injection summary")
-        for line in faults.summary_lines():
-            terminalreporter.write_line(line)
+        terminalreporter.write_line(f"{'fault':<52} {'calls':>5} {'effects':>7} {'results':>7} {'lost':>4}")
+        for name, calls, effects, results, lost in _fault_rows:
+            terminalreporter.write_line(f"{name:<52} {calls:>5} {effects:>7} {results:>7} {lost:>4}")

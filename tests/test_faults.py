@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,7 +26,7 @@ from tests.cluster_helpers import (
     settings_for,
     wait_for,
 )
-from tests.conftest import ROOT, worker_env
+from tests.conftest import FAULT_ROW, ROOT, worker_env
 from worker import ErrorCode, Registry
 from worker.celery_app import create_app
 from worker.payloads import CallPayload
@@ -34,14 +35,16 @@ from worker.tasks import TASK_NAMES
 # Loaded 2-core machine: up to about 20 s (a redelivery after the 8 s visibility timeout).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
+# Rows of the fault summary, handed to the test's report (tests/conftest.py prints them at the end
+# of the run, also from pytest-xdist workers).
 ROWS: list[tuple[str, int, int, int, int]] = []
 
 
-def summary_lines() -> list[str]:
-    """The fault summary table (printed at the end of the run by tests/conftest.py)."""
-    lines = [f"{'fault':<52} {'calls':>5} {'effects':>7} {'results':>7} {'lost':>4}"]
-    lines += [f"{name:<52} {calls:>5} {effects:>7} {results:>7} {lost:>4}" for name, calls, effects, results, lost in ROWS]
-    return lines
+@pytest.fixture(autouse=True)
+def _report_rows(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    request.node.user_properties.extend((FAULT_ROW, row) for row in ROWS)
+    ROWS.clear()
 
 
 def record(name: str, turn: TurnResult, side_effects: int) -> None:

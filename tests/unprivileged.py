@@ -13,7 +13,8 @@ from typing import Any
 from tests import sandbox_tools as tools
 from worker.execution import HandlerOutcome
 
-WORKER_UID = 61_234
+# One per test process: pytest-xdist workers running these tests at once must not share a uid.
+WORKER_UID = 60_000 + os.getpid() % 5_000
 """An unprivileged uid no other test process uses."""
 
 
