@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -125,7 +125,7 @@ _fault_rows: list[Sequence[Any]] = []
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Collect the fault summary's rows (test reports carry them here from pytest-xdist workers too)."""
     if report.when == "teardown":
-        _fault_rows.extend(value for key, value in report.user_properties if key == FAULT_ROW)
+        _fault_rows.extend(cast(Sequence[Any], value) for key, value in report.user_properties if key == FAULT_ROW)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
