@@ -29,9 +29,9 @@ from worker import errors
 from worker.celery_app import WorkerRuntime, create_app, runtime_of
 from worker.config import Settings
 from worker.models import ErrorCode, ToolCall, ToolResult
-from worker.payloads import CallPayload, CallRef, cancel_scope
+from worker.payloads import CallPayload, cancel_scope
 from worker.registry import Provider, Registry
-from worker.tasks import COLLECT_TASK, TASK_NAMES
+from worker.tasks import COLLECT_TASK, TASK_NAMES, with_lost_results
 
 log = logging.getLogger("toolchord.orchestrator")
 
@@ -151,13 +151,23 @@ class Orchestrator:
         return time.time() + longest + 5
 
     def plan(self, session_id: str, turn_id: str, calls: list[ToolCall], provider: Provider) -> TurnRecord:
-        """Check every call and group the valid ones: one chain per shared resource, in model order."""
+        """Check every call and group the valid ones: one chain per shared resource, in model order.
+
+        Only the first `max_calls_per_turn` calls (model order) are checked and may run; each call
+        past the cap gets a NOT_EXECUTED result without being read.
+        """
+        settings = self.runtime.settings
         early: list[ToolResult] = []
         by_resource: dict[str, list[DispatchedCall]] = {}
         groups: list[list[DispatchedCall]] = []
         dispatched: list[DispatchedCall] = []
-        for call in sorted(calls, key=lambda c: c.index):
-            prepared = prepare_call(call, self.registry, session_id, self.permission_hook)
+        for position, call in enumerate(sorted(calls, key=lambda c: c.index)):
+            if position >= settings.max_calls_per_turn:
+                early.append(errors.error_result(call, errors.over_call_cap(call, len(calls), settings.max_calls_per_turn)))
+                continue
+            prepared = prepare_call(
+                call, self.registry, session_id, self.permission_hook, max_argument_bytes=settings.max_argument_bytes
+            )
             if isinstance(prepared, ToolResult):
                 early.append(prepared)
                 continue
@@ -226,13 +236,10 @@ class Orchestrator:
         for group in record.groups:
             sigs = [self._signature(record, by_id[cid], first=i == 0) for i, cid in enumerate(group)]
             header.append(sigs[0] if len(sigs) == 1 else chain(*sigs))
-        order = [
-            CallRef(id=dc.call.id, name=dc.call.name, side_effect=dc.side_effect).model_dump()
-            for dc in record.dispatched
-        ]
         body_id = "tc-collect-" + _digest(record.session_id, record.turn_id, str(time.time_ns()))
-        body = self.app.signature(COLLECT_TASK, kwargs={"order": order}, task_id=body_id,
-                                  queue=self.runtime.queue())
+        # Every header message carries a copy of the body (celery-findings pitfall 8), so the body
+        # has no per-call arguments: the orchestrator orders the results from its own record.
+        body = self.app.signature(COLLECT_TASK, task_id=body_id, queue=self.runtime.queue())
         # chord() explicitly, never chain(group, body): a one-task group would unroll (pitfall 5).
         chord(header, body).apply_async()
         if self._ignore_call_results:
@@ -380,7 +387,8 @@ class Orchestrator:
 
     def _collected(self, record: TurnRecord, status: str | None, value: Any) -> TurnResult:
         """Finish with the chord callback's value (a failed callback leaves the store to fill in)."""
-        return self._finish(record, value if status == states.SUCCESS else None, "the turn's results could not be collected")
+        collected = with_lost_results(value, record.dispatched) if status == states.SUCCESS else None
+        return self._finish(record, collected, "the turn's results could not be collected")
 
     def run_calls(
         self, session_id: str, calls: list[ToolCall], *, turn_id: str | None = None, provider: Provider = "chat"

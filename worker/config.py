@@ -13,6 +13,11 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 
+DEFAULT_MAX_ARGUMENT_BYTES = 1024 * 1024
+DEFAULT_MAX_RESULT_DATA_BYTES = 1024 * 1024
+DEFAULT_MAX_CALLS_PER_TURN = 128
+
+
 class ConfigError(ValueError):
     """The configuration cannot work (for example pickle requested, or a missing secret file)."""
 
@@ -46,6 +51,18 @@ class Settings(BaseModel):
         default=None, description="One uid for every sandboxed call of a root worker; None: a uid per call."
     )
     log_dir: str = ".toolchord/logs"
+    max_argument_bytes: int = Field(
+        default=DEFAULT_MAX_ARGUMENT_BYTES, gt=0,
+        description="Largest arguments text (UTF-8 bytes) a call may carry; larger ones are refused unparsed.",
+    )
+    max_result_data_bytes: int = Field(
+        default=DEFAULT_MAX_RESULT_DATA_BYTES, gt=0,
+        description="Largest structured `data` (bytes of JSON) a result may carry; larger ones become an error.",
+    )
+    max_calls_per_turn: int = Field(
+        default=DEFAULT_MAX_CALLS_PER_TURN, gt=0,
+        description="Calls of one turn that run; the excess each get a NOT_EXECUTED result.",
+    )
 
     @property
     def embedded(self) -> bool:
@@ -79,6 +96,9 @@ class Settings(BaseModel):
             ("claim_lease", "TOOLCHORD_CLAIM_LEASE"),
             ("sandbox_uid", "TOOLCHORD_SANDBOX_UID"),
             ("log_dir", "TOOLCHORD_LOG_DIR"),
+            ("max_argument_bytes", "TOOLCHORD_MAX_ARGUMENT_BYTES"),
+            ("max_result_data_bytes", "TOOLCHORD_MAX_RESULT_DATA_BYTES"),
+            ("max_calls_per_turn", "TOOLCHORD_MAX_CALLS_PER_TURN"),
         ):
             if env.get(var):
                 values[field] = env[var]

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from worker import errors
+from worker.config import DEFAULT_MAX_RESULT_DATA_BYTES
 from worker.context import ToolContext
 from worker.execution import HandlerOutcome
 from worker.models import ToolCall, ToolResult
@@ -43,10 +44,11 @@ def execute_call(
     *,
     spill: SpillStore | None,
     attempts: int = 1,
+    max_data_bytes: int = DEFAULT_MAX_RESULT_DATA_BYTES,
 ) -> ToolResult:
     """Run one call once and shape its result. Never raises for handler misbehaviour."""
     outcome = run_handler(spec, arguments, context)
-    return result_from_outcome(call, spec, outcome, attempts=attempts, spill=spill)
+    return result_from_outcome(call, spec, outcome, attempts=attempts, spill=spill, max_data_bytes=max_data_bytes)
 
 
 def unavailable_tool_result(call: ToolCall, available: list[str]) -> ToolResult:
