@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.providers.plain_data import (
+    DeltaBuffer,
     as_list,
     as_mapping,
     check_unique_ids,
@@ -181,11 +182,14 @@ class AnthropicStreamAccumulator:
     def __init__(self) -> None:
         self._message: dict[str, Any] = {"role": "assistant"}
         self._blocks: dict[int, _BlockDraft] = {}
+        self._deltas = DeltaBuffer()
 
     def feed(self, event: Any) -> list[ToolCall]:
         """Apply one event; returns the calls it completed."""
         data = as_mapping(to_plain(event), "anthropic stream event")
         kind = data.get("type")
+        if kind != "content_block_delta":
+            self._deltas.flush()
         if kind == "message_start":
             message = dict(as_mapping(data.get("message"), "message_start.message"))
             for position, block in enumerate(as_list(message.pop("content", None), "message_start content")):
@@ -198,7 +202,8 @@ class AnthropicStreamAccumulator:
             block = dict(as_mapping(data.get("content_block"), "content_block_start.content_block"))
             self._blocks[index] = _BlockDraft(data=block)
         elif kind == "content_block_delta":
-            self._apply_delta(self._open_block(data), as_mapping(data.get("delta"), "content_block_delta.delta"))
+            self._apply_delta(self._open_block(data), as_mapping(data.get("delta"), "content_block_delta.delta"), self._deltas)
+            return []  # a delta completes nothing
         elif kind == "content_block_stop":
             self._open_block(data).finalize()
         elif kind == "message_delta":
@@ -212,6 +217,7 @@ class AnthropicStreamAccumulator:
 
     def finish(self) -> list[ToolCall]:
         """End of stream: blocks still open are closed with what arrived; remaining calls in order."""
+        self._deltas.flush()
         for draft in self._blocks.values():
             if not draft.stopped:
                 draft.finalize()
@@ -219,6 +225,7 @@ class AnthropicStreamAccumulator:
 
     def assistant_output(self) -> dict[str, Any]:
         """The assembled message as a dict with a "content" list (what `parse_calls` accepts)."""
+        self._deltas.flush()
         content = []
         for index in sorted(self._blocks):
             draft = self._blocks[index]
@@ -245,19 +252,21 @@ class AnthropicStreamAccumulator:
         return draft
 
     @staticmethod
-    def _apply_delta(draft: _BlockDraft, delta: dict[str, Any]) -> None:
+    def _apply_delta(draft: _BlockDraft, delta: dict[str, Any], deltas: DeltaBuffer) -> None:
         kind = delta.get("type")
         block = draft.data
         if kind == "input_json_delta":
             draft.json_parts.append(delta.get("partial_json") or "")
         elif kind == "text_delta":
-            block["text"] = (block.get("text") or "") + (delta.get("text") or "")
+            deltas.add(block, "text", delta.get("text") or "")
         elif kind == "thinking_delta":
-            block["thinking"] = (block.get("thinking") or "") + (delta.get("thinking") or "")
+            deltas.add(block, "thinking", delta.get("thinking") or "")
         elif kind == "signature_delta":
-            block["signature"] = (block.get("signature") or "") + (delta.get("signature") or "")
+            deltas.add(block, "signature", delta.get("signature") or "")
         elif kind == "citations_delta":
-            block["citations"] = [*(block.get("citations") or []), delta.get("citation")]
+            if not isinstance(block.get("citations"), list):
+                block["citations"] = []
+            block["citations"].append(delta.get("citation"))
 
     def _hand_out(self, *, final: bool) -> list[ToolCall]:
         ready: list[tuple[int, _BlockDraft]] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from orchestrator.providers.plain_data import (
+    DeltaBuffer,
     as_list,
     as_mapping,
     check_unique_ids,
@@ -22,6 +23,8 @@ from worker.models import ToolCall, ToolResult
 
 # Output items the client must answer but cannot answer with a function_call_output.
 _UNSUPPORTED_CALL_ITEMS = frozenset({"custom_tool_call"})
+# Events that only append text: buffered, and they complete no call.
+_DELTA_EVENTS = frozenset({"response.function_call_arguments.delta", "response.output_text.delta"})
 
 
 def _output_items(output: Any) -> list[Any]:
@@ -106,12 +109,15 @@ class ResponsesStreamAccumulator:
         self._items: dict[int, dict[str, Any]] = {}
         self._index_by_item_id: dict[str, int] = {}
         self._done: set[int] = set()
+        self._deltas = DeltaBuffer()
         self._handed_out: dict[int, ToolCall] = {}
 
     def feed(self, event: Any) -> list[ToolCall]:
         """Apply one event; returns the calls it completed."""
         data = as_mapping(to_plain(event), "responses stream event")
         kind = data.get("type")
+        if kind not in _DELTA_EVENTS:
+            self._deltas.flush()
         if kind in ("response.created", "response.in_progress"):
             self._take_response(as_mapping(data.get("response"), f"{kind}.response"))
         elif kind == "response.output_item.added":
@@ -121,7 +127,8 @@ class ResponsesStreamAccumulator:
             self._store(index, dict(as_mapping(data.get("item"), "output_item.added.item")))
         elif kind == "response.function_call_arguments.delta":
             item = self._open_call(data)
-            item["arguments"] = (item.get("arguments") or "") + (data.get("delta") or "")
+            self._deltas.add(item, "arguments", data.get("delta") or "")
+            return []  # a delta completes nothing
         elif kind == "response.function_call_arguments.done":
             index = self._event_index(data, known=True)
             item = self._open_call(data)
@@ -144,7 +151,8 @@ class ResponsesStreamAccumulator:
             content = item.get("content")
             position = data.get("content_index", 0)
             if isinstance(content, list) and isinstance(position, int) and position < len(content):
-                content[position]["text"] = (content[position].get("text") or "") + (data.get("delta") or "")
+                self._deltas.add(content[position], "text", data.get("delta") or "")
+            return []
         elif kind in ("response.completed", "response.incomplete"):
             response = as_mapping(data.get("response"), f"{kind}.response")
             self._take_response(response)
@@ -154,6 +162,7 @@ class ResponsesStreamAccumulator:
 
     def finish(self) -> list[ToolCall]:
         """End of stream: every call not yet handed out, with the arguments that arrived, in order."""
+        self._deltas.flush()
         for index, item in self._items.items():
             if item.get("type") == "function_call":
                 self._done.add(index)
@@ -161,6 +170,7 @@ class ResponsesStreamAccumulator:
 
     def assistant_output(self) -> dict[str, Any]:
         """The assembled response as a dict with an "output" list (what `parse_calls` accepts)."""
+        self._deltas.flush()
         return {**self._response, "output": [self._items[index] for index in sorted(self._items)]}
 
     def _take_response(self, response: dict[str, Any]) -> None:
