@@ -75,7 +75,8 @@ def unknown_tool(call: ToolCall, available: Sequence[str]) -> ToolError:
 
 def invalid_json(call: ToolCall, problem: json.JSONDecodeError | str) -> ToolError:
     if isinstance(problem, json.JSONDecodeError):
-        where = f"{problem.msg} at line {problem.lineno} column {problem.colno} (char {problem.pos})"
+        # Some messages end in "at" already ("Unterminated string starting at").
+        where = f"{problem.msg.removesuffix(' at')} at line {problem.lineno} column {problem.colno} (char {problem.pos})"
     else:
         where = problem
     return ToolError(
