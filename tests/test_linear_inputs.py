@@ -228,6 +228,36 @@ def test_responses_stream_is_linear() -> None:
     assert call.arguments is not None and len(call.arguments["text"]) == 10_000
 
 
+def _many_anthropic_calls(size: int) -> list[dict[str, Any]]:
+    """One streamed tool_use block per 1 KB of `size`: 10,000 calls for 10 MB."""
+    events: list[dict[str, Any]] = [{"type": "message_start", "message": {"role": "assistant", "content": []}}]
+    for i in range(size // 1_000):
+        block = {"type": "tool_use", "id": f"toolu_{i}", "name": "store_text", "input": {}}
+        events += [{"type": "content_block_start", "index": i, "content_block": block},
+                   {"type": "content_block_delta", "index": i, "delta": {"type": "input_json_delta", "partial_json": "{}"}},
+                   {"type": "content_block_stop", "index": i}]
+    return events
+
+
+def _many_responses_calls(size: int) -> list[dict[str, Any]]:
+    """One streamed function_call item per 1 KB of `size`: 10,000 calls for 10 MB."""
+    events: list[dict[str, Any]] = []
+    for i in range(size // 1_000):
+        item = {"type": "function_call", "id": f"fc_{i}", "call_id": f"call_{i}", "name": "store_text", "arguments": ""}
+        events += [{"type": "response.output_item.added", "output_index": i, "item": item},
+                   {"type": "response.function_call_arguments.delta", "output_index": i, "delta": "{}"},
+                   {"type": "response.function_call_arguments.done", "output_index": i}]
+    return events
+
+
+def test_streams_with_many_calls_are_linear_in_the_number_of_calls() -> None:
+    assert_linear(_streamed("anthropic"), _many_anthropic_calls)
+    assert_linear(_streamed("responses"), _many_responses_calls)
+    for provider, make in (("anthropic", _many_anthropic_calls), ("responses", _many_responses_calls)):
+        calls = _streamed(provider)(make(50_000))
+        assert [call.index for call in calls] == list(range(50)), provider
+
+
 def test_parse_calls_of_a_large_message_is_linear() -> None:
     def message(size: int) -> dict[str, Any]:
         raw = json.dumps({"text": _hostile_text(size)})

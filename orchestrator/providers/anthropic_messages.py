@@ -183,6 +183,10 @@ class AnthropicStreamAccumulator:
         self._message: dict[str, Any] = {"role": "assistant"}
         self._blocks: dict[int, _BlockDraft] = {}
         self._deltas = DeltaBuffer()
+        # Call ranks of the blocks ranked so far (blocks below _ranked_upto), and the ids handed out.
+        self._call_rank: dict[int, int] = {}
+        self._ranked_upto = 0
+        self._handed_ids: set[str] = set()
 
     def feed(self, event: Any) -> list[ToolCall]:
         """Apply one event; returns the calls it completed."""
@@ -206,6 +210,7 @@ class AnthropicStreamAccumulator:
             return []  # a delta completes nothing
         elif kind == "content_block_stop":
             self._open_block(data).finalize()
+            return self._hand_out(final=False, stopped=self._event_index(data))
         elif kind == "message_delta":
             delta = as_mapping(data.get("delta") or {}, "message_delta.delta")
             self._message.update({key: value for key, value in delta.items() if value is not None})
@@ -268,23 +273,46 @@ class AnthropicStreamAccumulator:
                 block["citations"] = []
             block["citations"].append(delta.get("citation"))
 
-    def _hand_out(self, *, final: bool) -> list[ToolCall]:
-        ready: list[tuple[int, _BlockDraft]] = []
-        call_rank = 0
-        for index in sorted(self._blocks):
-            # Until every earlier block has started, a call's index among the calls is not known.
-            if not final and index != 0 and index - 1 not in self._blocks:
-                break
-            draft = self._blocks[index]
-            if draft.is_call:
-                if draft.stopped and not draft.handed_out:
-                    ready.append((call_rank, draft))
-                call_rank += 1
+    def _rank_blocks(self, *, final: bool) -> list[int]:
+        """Give call ranks to blocks whose rank is now known; returns the call blocks just ranked.
+
+        A call's index among the calls is known once every earlier block has started, so ranks are
+        given along the contiguous prefix of started blocks (at the end, to every block in order).
+        Each block is ranked once: a stream of N calls costs O(N), not O(N) per event.
+        """
+        if final:
+            pending = sorted(index for index in self._blocks if index >= self._ranked_upto)
+        else:
+            pending = []
+            while self._ranked_upto + len(pending) in self._blocks:
+                pending.append(self._ranked_upto + len(pending))
+        ranked = []
+        for index in pending:
+            if self._blocks[index].is_call:
+                self._call_rank[index] = len(self._call_rank)
+                ranked.append(index)
+        if pending:
+            self._ranked_upto = pending[-1] + 1
+        return ranked
+
+    def _hand_out(self, *, final: bool, stopped: int | None = None) -> list[ToolCall]:
+        """The calls that became complete and ranked: newly ranked ones, or the block that just stopped."""
+        candidates = set(self._rank_blocks(final=final))
+        if stopped is not None:
+            candidates.add(stopped)
+        if final:
+            candidates.update(self._call_rank)
+        ready = sorted(
+            (self._call_rank[index], self._blocks[index])
+            for index in candidates
+            if index in self._call_rank and self._blocks[index].stopped and not self._blocks[index].handed_out
+        )
         calls = []
         for rank, draft in ready:
             draft.handed_out = True
             (call,) = _read_calls([draft.data])
+            if call.id in self._handed_ids:
+                raise ProviderFormatError(f"anthropic stream: two tool calls share the id {call.id!r}")
+            self._handed_ids.add(call.id)
             calls.append(call.model_copy(update={"index": rank}))
-        handed_ids = [draft.data.get("id") for draft in self._blocks.values() if draft.handed_out]
-        check_unique_ids([str(call_id) for call_id in handed_ids], "anthropic stream")
         return calls

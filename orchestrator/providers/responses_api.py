@@ -111,6 +111,12 @@ class ResponsesStreamAccumulator:
         self._done: set[int] = set()
         self._deltas = DeltaBuffer()
         self._handed_out: dict[int, ToolCall] = {}
+        # Call ranks of the items ranked so far (items below _ranked_upto), calls completed since
+        # the last hand-out, and the ids handed out.
+        self._call_rank: dict[int, int] = {}
+        self._ranked_upto = 0
+        self._newly_done: set[int] = set()
+        self._handed_ids: set[str] = set()
 
     def feed(self, event: Any) -> list[ToolCall]:
         """Apply one event; returns the calls it completed."""
@@ -134,7 +140,7 @@ class ResponsesStreamAccumulator:
             item = self._open_call(data)
             if isinstance(data.get("arguments"), str):
                 item["arguments"] = data["arguments"]
-            self._done.add(index)
+            self._mark_done(index)
         elif kind == "response.output_item.done":
             index = self._event_index(data, known=False)
             self._settle(index, dict(as_mapping(data.get("item"), "output_item.done.item")))
@@ -165,7 +171,7 @@ class ResponsesStreamAccumulator:
         self._deltas.flush()
         for index, item in self._items.items():
             if item.get("type") == "function_call":
-                self._done.add(index)
+                self._mark_done(index)
         return self._hand_out(final=True)
 
     def assistant_output(self) -> dict[str, Any]:
@@ -187,7 +193,7 @@ class ResponsesStreamAccumulator:
         self._store(index, item)
         if item.get("type") != "function_call":
             return
-        self._done.add(index)
+        self._mark_done(index)
         if earlier is not None:
             (settled,) = _read_calls([item])
             if (settled.id, settled.name, settled.arguments_raw) != (earlier.id, earlier.name, earlier.arguments_raw):
@@ -213,23 +219,53 @@ class ResponsesStreamAccumulator:
             raise ProviderFormatError(f"{data.get('type')} for output item {index}, which is already complete")
         return item
 
-    def _hand_out(self, *, final: bool) -> list[ToolCall]:
-        calls: list[ToolCall] = []
-        call_rank = 0
-        for index in sorted(self._items):
-            # Until every earlier item has been added, a call's index among the calls is not known.
-            if not final and index != 0 and index - 1 not in self._items:
-                break
+    def _rank_items(self, *, final: bool) -> list[int]:
+        """Give call ranks to items whose rank is now known; returns the function calls just ranked.
+
+        A call's index among the calls is known once every earlier item has been added, so ranks
+        are given along the contiguous prefix of added items (at the end, to every item in order).
+        Each item is ranked once: a stream of N calls costs O(N), not O(N) per event.
+        """
+        if final:
+            pending = sorted(index for index in self._items if index >= self._ranked_upto)
+        else:
+            pending = []
+            while self._ranked_upto + len(pending) in self._items:
+                pending.append(self._ranked_upto + len(pending))
+        ranked = []
+        for index in pending:
             item = self._items[index]
             if item.get("type") in _UNSUPPORTED_CALL_ITEMS:
                 _read_calls([item])  # raises: the turn cannot be answered
-            if item.get("type") != "function_call":
-                continue
-            if index in self._done and index not in self._handed_out:
-                (call,) = _read_calls([item])
-                call = call.model_copy(update={"index": call_rank})
-                self._handed_out[index] = call
-                calls.append(call)
-            call_rank += 1
-        check_unique_ids([call.id for call in self._handed_out.values()], "responses stream")
+            if item.get("type") == "function_call":
+                self._call_rank[index] = len(self._call_rank)
+                ranked.append(index)
+        if pending:
+            self._ranked_upto = pending[-1] + 1
+        return ranked
+
+    def _hand_out(self, *, final: bool) -> list[ToolCall]:
+        """The calls that became complete and ranked since the last event, in call order."""
+        candidates = set(self._rank_items(final=final)) | self._newly_done
+        self._newly_done = set()
+        if final:
+            candidates.update(self._call_rank)
+        ready = sorted(
+            (self._call_rank[index], index)
+            for index in candidates
+            if index in self._call_rank and index in self._done and index not in self._handed_out
+        )
+        calls: list[ToolCall] = []
+        for rank, index in ready:
+            (call,) = _read_calls([self._items[index]])
+            call = call.model_copy(update={"index": rank})
+            if call.id in self._handed_ids:
+                raise ProviderFormatError(f"responses stream: two tool calls share the id {call.id!r}")
+            self._handed_ids.add(call.id)
+            self._handed_out[index] = call
+            calls.append(call)
         return calls
+
+    def _mark_done(self, index: int) -> None:
+        self._done.add(index)
+        self._newly_done.add(index)
