@@ -334,3 +334,11 @@ def test_excerpts_are_bounded_and_encodable(text: str, limit: int) -> None:
         shown.encode("utf-8")
         error_result(_call(raw), ToolResult.model_fields["error"].annotation.__args__[0](
             code=ErrorCode.INVALID_JSON, message="m", input_excerpt=shown))
+
+
+def test_input_benchmark_runs(capsys: Any) -> None:
+    from orchestrator.bench.inputs import CASES, main
+
+    main(["--sizes", "0.01,0.02"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in CASES)
