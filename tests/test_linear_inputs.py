@@ -342,3 +342,13 @@ def test_input_benchmark_runs(capsys: Any) -> None:
     main(["--sizes", "0.01,0.02"])
     out = capsys.readouterr().out
     assert all(name in out for name in CASES)
+
+
+def test_size_and_call_caps_come_from_the_environment() -> None:
+    from worker.config import Settings
+
+    defaults = Settings.from_env({})
+    assert (defaults.max_argument_bytes, defaults.max_result_data_bytes, defaults.max_calls_per_turn) == (MIB, MIB, 128)
+    settings = Settings.from_env({"TOOLCHORD_MAX_ARGUMENT_BYTES": "2048", "TOOLCHORD_MAX_RESULT_DATA_BYTES": "4096",
+                                  "TOOLCHORD_MAX_CALLS_PER_TURN": "7"})
+    assert (settings.max_argument_bytes, settings.max_result_data_bytes, settings.max_calls_per_turn) == (2048, 4096, 7)
