@@ -24,7 +24,7 @@ from tests.linear_time import assert_linear
 from worker import ErrorCode, Registry, ToolCall, tool
 from worker.errors import error_result
 from worker.execution import HandlerOutcome
-from worker.models import ToolResult
+from worker.models import ToolError, ToolResult
 from worker.redaction import MASK, excerpt, redact, redact_text
 from worker.results import result_from_outcome
 from worker.shaping import cap_content
@@ -332,8 +332,7 @@ def test_excerpts_are_bounded_and_encodable(text: str, limit: int) -> None:
         shown = excerpt(raw, limit)
         assert len(shown) <= limit + len(f"… ({len(raw)} chars)")
         shown.encode("utf-8")
-        error_result(_call(raw), ToolResult.model_fields["error"].annotation.__args__[0](
-            code=ErrorCode.INVALID_JSON, message="m", input_excerpt=shown))
+        error_result(_call(raw), ToolError(code=ErrorCode.INVALID_JSON, message="m", input_excerpt=shown))
 
 
 def test_input_benchmark_runs(capsys: Any) -> None:
