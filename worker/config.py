@@ -12,7 +12,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-
 DEFAULT_MAX_ARGUMENT_BYTES = 1024 * 1024
 DEFAULT_MAX_RESULT_DATA_BYTES = 1024 * 1024
 DEFAULT_MAX_CALLS_PER_TURN = 128
