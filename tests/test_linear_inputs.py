@@ -271,8 +271,8 @@ def test_parse_calls_of_a_large_message_is_linear() -> None:
 
 
 def _turn_events(size: int) -> list[object]:
-    """One turn with a call per 2 KB of `size`, each parsed and answered (many calls, not long ones)."""
-    count = size // 2_000
+    """One turn with a call per 1 KB of `size`, each parsed and answered (many calls, not long ones)."""
+    count = size // 1_000
     calls = [ToolCall(id=f"call_{i}", name="store_text", arguments_raw='{"text": "x"}', index=i) for i in range(count)]
     items = [{"role": "assistant", "content": None, "tool_calls": [
         {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_raw}} for c in calls]}]
@@ -286,7 +286,7 @@ def _turn_events(size: int) -> list[object]:
 
 def test_history_of_a_turn_with_many_calls_is_linear() -> None:
     history = History.from_events(_turn_events(100_000))
-    assert not history.orphans and len(history.turns[0].results) == 50
+    assert not history.orphans and len(history.turns[0].results) == 100
     assert_linear(History.from_events, _turn_events)
 
 
