@@ -8,7 +8,6 @@ fast machine. The size caps on arguments and result data are tested here as well
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from orchestrator.bench.inputs import hostile_text, responses_stream_events
 from orchestrator.eventlog import CallParsed, CallResult, ModelOutput
 from orchestrator.history_repair import History
 from orchestrator.pipeline import Pipeline, prepare_call
@@ -47,19 +47,9 @@ def numbers(values: list[int]) -> str:
 REGISTRY = Registry([store_text, numbers])
 
 
-def _hostile_text(size: int) -> str:
-    """Text shaped against regex backtracking: long word runs, repeated credential words, open quotes."""
-    unit = (
-        base64.b64encode(bytes(range(256)) * 12).decode()
-        + " " + "token" * 400 + " " + "password" * 100 + "=" + " " + '"' * 200 + " sk-" + "-" * 300
-        + " ://a:" + "b" * 300 + " bearer " + " " * 200 + "x "
-    )
-    return (unit * (size // len(unit) + 1))[:size]
-
-
 def _truncated_arguments(size: int) -> str:
     """A JSON object cut off mid-string, like a model output that hit its token limit."""
-    return '{"count": 1, "text": "' + _hostile_text(size)[: size - 30].replace('"', "'").replace("\\", "/")
+    return '{"count": 1, "text": "' + hostile_text(size)[: size - 30].replace('"', "'").replace("\\", "/")
 
 
 def _call(arguments_raw: str, name: str = "store_text") -> ToolCall:
@@ -70,12 +60,12 @@ def _call(arguments_raw: str, name: str = "store_text") -> ToolCall:
 
 
 def test_redact_text_is_linear() -> None:
-    assert_linear(redact_text, _hostile_text)
+    assert_linear(redact_text, hostile_text)
 
 
 def test_excerpt_of_a_long_string_is_linear_and_bounded() -> None:
-    assert_linear(lambda text: excerpt(text), _hostile_text)
-    text = "password=hunter2 " + _hostile_text(MIB)
+    assert_linear(lambda text: excerpt(text), hostile_text)
+    text = "password=hunter2 " + hostile_text(MIB)
     shown = excerpt(text, 300)
     assert "hunter2" not in shown and MASK in shown
     assert shown.endswith(f"… ({len(text)} chars)") and len(shown) < 340
@@ -83,7 +73,7 @@ def test_excerpt_of_a_long_string_is_linear_and_bounded() -> None:
 
 def test_redact_of_a_large_structure_is_linear() -> None:
     def make(size: int) -> dict[str, Any]:
-        chunk = _hostile_text(10_000)
+        chunk = hostile_text(10_000)
         return {"items": [{"note": chunk, "api_key": "k"} for _ in range(size // 10_000)]}
 
     assert_linear(redact, make)
@@ -126,7 +116,7 @@ def test_invalid_arguments_for_a_huge_value_is_linear_and_bounded() -> None:
     def prepare(raw: str) -> object:
         return prepare_call(_call(raw, "numbers"), REGISTRY, "s", max_argument_bytes=64 * MIB)
 
-    assert_linear(prepare, lambda size: json.dumps({"values": _hostile_text(size)}))
+    assert_linear(prepare, lambda size: json.dumps({"values": hostile_text(size)}))
     many_wrong = json.dumps({"values": ["x"] * 5_000})
     result = prepare(many_wrong)
     assert isinstance(result, ToolResult) and result.error.code == ErrorCode.INVALID_ARGUMENTS
@@ -137,7 +127,7 @@ def test_invalid_arguments_for_a_huge_value_is_linear_and_bounded() -> None:
 
 
 def test_cap_content_is_linear() -> None:
-    assert_linear(lambda text: cap_content(text, 20_000, None), _hostile_text)
+    assert_linear(lambda text: cap_content(text, 20_000, None), hostile_text)
 
 
 def test_result_data_over_the_limit_is_a_clear_error_not_a_crash_or_a_cut() -> None:
@@ -154,7 +144,7 @@ def test_result_data_over_the_limit_is_a_clear_error_not_a_crash_or_a_cut() -> N
     assert small.status == "ok" and small.data == data
 
     def shape(size: int) -> HandlerOutcome:
-        return HandlerOutcome(status="ok", content="", data={"blob": _hostile_text(size)})
+        return HandlerOutcome(status="ok", content="", data={"blob": hostile_text(size)})
 
     assert_linear(lambda o: result_from_outcome(_call("{}"), spec, o, attempts=1, spill=None), shape)
 
@@ -163,7 +153,7 @@ def test_result_data_over_the_limit_is_a_clear_error_not_a_crash_or_a_cut() -> N
 
 
 def _chat_stream(size: int) -> list[dict[str, Any]]:
-    raw = json.dumps({"text": _hostile_text(size)})
+    raw = json.dumps({"text": hostile_text(size)})
     pieces = [raw[i:i + 1024] for i in range(0, len(raw), 1024)]
     first = {"index": 0, "id": "call_1", "function": {"name": "store_text", "arguments": ""}}
     events = [{"choices": [{"index": 0, "delta": {"tool_calls": [first]}}]}]
@@ -174,8 +164,8 @@ def _chat_stream(size: int) -> list[dict[str, Any]]:
 
 
 def _anthropic_stream(size: int) -> list[dict[str, Any]]:
-    raw = json.dumps({"text": _hostile_text(size // 2)})
-    text = _hostile_text(size // 2)
+    raw = json.dumps({"text": hostile_text(size // 2)})
+    text = hostile_text(size // 2)
     events: list[dict[str, Any]] = [
         {"type": "message_start", "message": {"role": "assistant", "content": []}},
         {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
@@ -188,16 +178,6 @@ def _anthropic_stream(size: int) -> list[dict[str, Any]]:
     events += [{"type": "content_block_delta", "index": 1,
                 "delta": {"type": "input_json_delta", "partial_json": raw[i:i + 1024]}} for i in range(0, len(raw), 1024)]
     events.append({"type": "content_block_stop", "index": 1})
-    return events
-
-
-def _responses_stream(size: int) -> list[dict[str, Any]]:
-    raw = json.dumps({"text": _hostile_text(size)})
-    item = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "store_text", "arguments": ""}
-    events: list[dict[str, Any]] = [{"type": "response.output_item.added", "output_index": 0, "item": item}]
-    events += [{"type": "response.function_call_arguments.delta", "output_index": 0, "delta": raw[i:i + 1024]}
-               for i in range(0, len(raw), 1024)]
-    events.append({"type": "response.function_call_arguments.done", "output_index": 0})
     return events
 
 
@@ -222,9 +202,9 @@ def test_anthropic_stream_is_linear() -> None:
     assert_linear(_streamed("anthropic"), _anthropic_stream)
 
 
-def test_responses_stream_is_linear() -> None:
-    assert_linear(_streamed("responses"), _responses_stream)
-    (call,) = _streamed("responses")(_responses_stream(10_000))
+def testresponses_stream_events_is_linear() -> None:
+    assert_linear(_streamed("responses"), responses_stream_events)
+    (call,) = _streamed("responses")(responses_stream_events(10_000))
     assert call.arguments is not None and len(call.arguments["text"]) == 10_000
 
 
@@ -260,7 +240,7 @@ def test_streams_with_many_calls_are_linear_in_the_number_of_calls() -> None:
 
 def test_parse_calls_of_a_large_message_is_linear() -> None:
     def message(size: int) -> dict[str, Any]:
-        raw = json.dumps({"text": _hostile_text(size)})
+        raw = json.dumps({"text": hostile_text(size)})
         return {"role": "assistant", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "store_text", "arguments": raw}}]}
 

@@ -35,11 +35,16 @@ _REGISTRY = Registry([store_text])
 
 def hostile_text(size: int) -> str:
     """Long base64 runs, repeated credential words, unclosed quotes: what made the old regex quadratic."""
-    unit = base64.b64encode(bytes(range(256)) * 12).decode() + " " + "token" * 400 + " " + '"' * 200 + " "
+    unit = (
+        base64.b64encode(bytes(range(256)) * 12).decode()
+        + " " + "token" * 400 + " " + "password" * 100 + "=" + " " + '"' * 200 + " sk-" + "-" * 300
+        + " ://a:" + "b" * 300 + " bearer " + " " * 200 + "x "
+    )
     return (unit * (size // len(unit) + 1))[:size]
 
 
-def _streamed_arguments(size: int) -> list[dict[str, Any]]:
+def responses_stream_events(size: int) -> list[dict[str, Any]]:
+    """A Responses stream of one call whose arguments (hostile text of `size`) arrive in 1 KB deltas."""
     raw = json.dumps({"text": hostile_text(size)})
     item = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "store_text", "arguments": ""}
     events: list[dict[str, Any]] = [{"type": "response.output_item.added", "output_index": 0, "item": item}]
@@ -68,7 +73,7 @@ CASES: dict[str, tuple[Callable[[int], Any], Callable[[Any], object]]] = {
         lambda call: prepare_call(call, _REGISTRY, "s", max_argument_bytes=1 << 30),
     ),
     "cap_content": (hostile_text, lambda text: cap_content(text, 20_000, None)),
-    "responses stream (1 KB deltas)": (_streamed_arguments, _assemble),
+    "responses stream (1 KB deltas)": (responses_stream_events, _assemble),
 }
 
 

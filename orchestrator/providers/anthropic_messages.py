@@ -16,6 +16,7 @@ from orchestrator.providers.plain_data import (
     as_mapping,
     check_unique_ids,
     compact_json,
+    newly_rankable,
     parse_arguments,
     read_arguments,
     required_text,
@@ -276,16 +277,9 @@ class AnthropicStreamAccumulator:
     def _rank_blocks(self, *, final: bool) -> list[int]:
         """Give call ranks to blocks whose rank is now known; returns the call blocks just ranked.
 
-        A call's index among the calls is known once every earlier block has started, so ranks are
-        given along the contiguous prefix of started blocks (at the end, to every block in order).
-        Each block is ranked once: a stream of N calls costs O(N), not O(N) per event.
+        Each block is ranked once (`newly_rankable`): a stream of N calls costs O(N), not O(N) per event.
         """
-        if final:
-            pending = sorted(index for index in self._blocks if index >= self._ranked_upto)
-        else:
-            pending = []
-            while self._ranked_upto + len(pending) in self._blocks:
-                pending.append(self._ranked_upto + len(pending))
+        pending = newly_rankable(self._ranked_upto, self._blocks, final=final)
         ranked = []
         for index in pending:
             if self._blocks[index].is_call:

@@ -132,6 +132,21 @@ class DeltaBuffer:
         self._pending.clear()
 
 
+def newly_rankable(start: int, present: Mapping[int, Any], *, final: bool) -> list[int]:
+    """Stream positions from `start` on whose rank among the calls is now known, in order.
+
+    A rank is known once every earlier position has arrived: the contiguous run of present
+    positions from `start` (at the end of the stream, every remaining one). Streams call this with
+    `start` just past the last position ranked, so each position is looked at once.
+    """
+    if final:
+        return sorted(index for index in present if index >= start)
+    pending: list[int] = []
+    while start + len(pending) in present:
+        pending.append(start + len(pending))
+    return pending
+
+
 def check_unique_ids(ids: list[str], what: str) -> None:
     """Two calls with one id could not be paired with their results."""
     seen: set[str] = set()

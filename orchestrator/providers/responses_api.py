@@ -13,6 +13,7 @@ from orchestrator.providers.plain_data import (
     as_list,
     as_mapping,
     check_unique_ids,
+    newly_rankable,
     read_arguments,
     required_text,
     to_plain,
@@ -222,16 +223,9 @@ class ResponsesStreamAccumulator:
     def _rank_items(self, *, final: bool) -> list[int]:
         """Give call ranks to items whose rank is now known; returns the function calls just ranked.
 
-        A call's index among the calls is known once every earlier item has been added, so ranks
-        are given along the contiguous prefix of added items (at the end, to every item in order).
-        Each item is ranked once: a stream of N calls costs O(N), not O(N) per event.
+        Each item is ranked once (`newly_rankable`): a stream of N calls costs O(N), not O(N) per event.
         """
-        if final:
-            pending = sorted(index for index in self._items if index >= self._ranked_upto)
-        else:
-            pending = []
-            while self._ranked_upto + len(pending) in self._items:
-                pending.append(self._ranked_upto + len(pending))
+        pending = newly_rankable(self._ranked_upto, self._items, final=final)
         ranked = []
         for index in pending:
             item = self._items[index]
