@@ -96,12 +96,14 @@ class History:
             for call in turn.calls:
                 entry = parsed.get((turn.turn_id, call.id))
                 turn.side_effects[call.id] = entry.side_effect if entry else None
+        # A set per turn: a turn of N calls must not cost N lookups of N ids each.
+        call_ids = {turn_id: {call.id for call in turn.calls} for turn_id, turn in turns.items()}
         for seq, event in enumerate(events):
             if not isinstance(event, CallResult):
                 continue
             owner = turns.get(event.turn_id)
             call_id = event.result.call_id
-            if owner is None or all(call.id != call_id for call in owner.calls):
+            if owner is None or call_id not in call_ids[event.turn_id]:
                 history.orphans.append(seq)
             elif call_id in owner.results:
                 history.duplicates.append(seq)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, SecretBytes, SecretStr, ValidationEr
 
 from orchestrator.providers.plain_data import ArgumentsProblem, load_arguments
 from worker import errors
+from worker.config import DEFAULT_MAX_ARGUMENT_BYTES, DEFAULT_MAX_RESULT_DATA_BYTES
 from worker.context import ToolContext
 from worker.idempotency import idempotency_key
 from worker.models import ToolCall, ToolResult
@@ -39,6 +40,14 @@ class PreparedCall(BaseModel):
     arguments: dict[str, Any]
     idempotency_key: str
     resource: str | None = None
+
+
+def utf8_size_over(text: str, limit: int) -> int | None:
+    """The UTF-8 size of `text` when it is over `limit` bytes, else None; encodes only when it must."""
+    if len(text) * 4 <= limit:
+        return None  # at most 4 bytes per character
+    size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
+    return size if size > limit else None
 
 
 def parse_arguments(call: ToolCall) -> dict[str, Any] | ToolResult:
@@ -93,12 +102,23 @@ def _with_secrets(value: Any, dumped: Any) -> Any:
 
 
 def prepare_call(
-    call: ToolCall, registry: Registry, session_id: str, permission_hook: PermissionHook | None = None
+    call: ToolCall,
+    registry: Registry,
+    session_id: str,
+    permission_hook: PermissionHook | None = None,
+    *,
+    max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES,
 ) -> PreparedCall | ToolResult:
-    """Run the pre-dispatch checks in order: the name before the arguments, permission last."""
+    """Run the pre-dispatch checks in order: the name before the arguments, permission last.
+
+    Arguments over `max_argument_bytes` are refused (INVALID_ARGUMENTS) before they are parsed.
+    """
     spec = registry.get(call.name)
     if spec is None:
         return errors.error_result(call, errors.unknown_tool(call, registry.closest(call.name)))
+    oversize = utf8_size_over(call.arguments_raw, max_argument_bytes)
+    if oversize is not None:
+        return errors.error_result(call, errors.arguments_too_large(call, oversize, max_argument_bytes))
     parsed = parse_arguments(call)
     if isinstance(parsed, ToolResult):
         return parsed
@@ -134,10 +154,14 @@ class Pipeline:
         *,
         permission_hook: PermissionHook | None = None,
         spill: SpillStore | None = None,
+        max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES,
+        max_result_data_bytes: int = DEFAULT_MAX_RESULT_DATA_BYTES,
     ) -> None:
         # A copy, so the caller's registry is left as it was.
         self.registry = Registry(registry)
         self.permission_hook = permission_hook
+        self.max_argument_bytes = max_argument_bytes
+        self.max_result_data_bytes = max_result_data_bytes
         # A store of its own unless given one: pipelines (and orchestrators) never share spills.
         self.spill: SpillStore = spill if spill is not None else MemorySpillStore()
         # Cut outputs point the model at read_output; like the Orchestrator, make sure it exists,
@@ -146,7 +170,9 @@ class Pipeline:
 
     def run(self, call: ToolCall, session_id: str = "local") -> ToolResult:
         """Exactly one result for the call; never raises for anything the model or handler did."""
-        prepared = prepare_call(call, self.registry, session_id, self.permission_hook)
+        prepared = prepare_call(
+            call, self.registry, session_id, self.permission_hook, max_argument_bytes=self.max_argument_bytes
+        )
         if isinstance(prepared, ToolResult):
             return prepared
         spec = self.registry[call.name]
@@ -157,7 +183,9 @@ class Pipeline:
             idempotency_key=prepared.idempotency_key,
             deadline=time.time() + spec.timeout,
         )
-        return execute_call(call, spec, prepared.arguments, context, spill=self.spill)
+        return execute_call(
+            call, spec, prepared.arguments, context, spill=self.spill, max_data_bytes=self.max_result_data_bytes
+        )
 
     def run_all(self, calls: list[ToolCall], session_id: str = "local") -> list[ToolResult]:
         """Results for several calls, one each, in the model's order (run one after another)."""

@@ -33,10 +33,10 @@ from worker import errors
 from worker.celery_app import WorkerRuntime, create_app, runtime_of
 from worker.config import Settings
 from worker.models import ErrorCode, ToolCall, ToolResult
-from worker.payloads import CallPayload, CallRef, cancel_scope
+from worker.payloads import CallPayload, cancel_scope
 from worker.policy import policy_of
 from worker.registry import Provider, Registry
-from worker.tasks import COLLECT_TASK, TASK_NAMES
+from worker.tasks import COLLECT_TASK, TASK_NAMES, with_lost_results
 
 log = logging.getLogger("toolchord.orchestrator")
 
@@ -164,14 +164,24 @@ class Orchestrator:
         return time.time() + longest + 5
 
     def plan(self, session_id: str, turn_id: str, calls: list[ToolCall], provider: Provider) -> TurnRecord:
-        """Check every call and group the valid ones: one chain per shared resource, in model order."""
+        """Check every call and group the valid ones: one chain per shared resource, in model order.
+
+        Only the first `max_calls_per_turn` calls (model order) are checked and may run; each call
+        past the cap gets a NOT_EXECUTED result without being read.
+        """
+        settings = self.runtime.settings
         early: list[ToolResult] = []
         by_resource: dict[str, list[DispatchedCall]] = {}
         groups: list[list[DispatchedCall]] = []
         dispatched: list[DispatchedCall] = []
         awaiting: list[DispatchedCall] = []
-        for call in sorted(calls, key=lambda c: c.index):
-            prepared = prepare_call(call, self.registry, session_id, self.permission_hook)
+        for position, call in enumerate(sorted(calls, key=lambda c: c.index)):
+            if position >= settings.max_calls_per_turn:
+                early.append(errors.error_result(call, errors.over_call_cap(call, len(calls), settings.max_calls_per_turn)))
+                continue
+            prepared = prepare_call(
+                call, self.registry, session_id, self.permission_hook, max_argument_bytes=settings.max_argument_bytes
+            )
             if isinstance(prepared, ToolResult):
                 early.append(prepared)
                 continue
@@ -244,13 +254,10 @@ class Orchestrator:
         for group in record.groups:
             sigs = [self._signature(record, by_id[cid], first=i == 0) for i, cid in enumerate(group)]
             header.append(sigs[0] if len(sigs) == 1 else chain(*sigs))
-        order = [
-            CallRef(id=dc.call.id, name=dc.call.name, side_effect=dc.side_effect).model_dump()
-            for dc in record.dispatched
-        ]
         body_id = "tc-collect-" + _digest(record.session_id, record.turn_id, str(time.time_ns()))
-        body = self.app.signature(COLLECT_TASK, kwargs={"order": order}, task_id=body_id,
-                                  queue=self.runtime.queue())
+        # Every header message carries a copy of the body (celery-findings pitfall 8), so the body
+        # has no per-call arguments: the orchestrator orders the results from its own record.
+        body = self.app.signature(COLLECT_TASK, task_id=body_id, queue=self.runtime.queue())
         # chord() explicitly, never chain(group, body): a one-task group would unroll (pitfall 5).
         chord(header, body).apply_async()
         if self._ignore_call_results:
@@ -450,7 +457,7 @@ class Orchestrator:
                     time.sleep(_CANCEL_POLL)
                 else:
                     if async_result.status == states.SUCCESS:
-                        return self._finish(record, value, "")
+                        return self._finish(record, with_lost_results(value, record.dispatched), "")
                     self._callback_failed(record, async_result.status)
                     callback_failed = True
             ask_redis = remote_check.due()
@@ -500,7 +507,7 @@ class Orchestrator:
                 meta = await waiter.wait(body_id, self._wait_slice(record, _CANCEL_POLL * 4))
                 if meta is not None:
                     if meta.get("status") == states.SUCCESS:
-                        return self._finish(record, meta.get("result"), "")
+                        return self._finish(record, with_lost_results(meta.get("result"), record.dispatched), "")
                     self._callback_failed(record, meta.get("status"))
                     callback_failed = True
             ask_redis = remote_check.due()

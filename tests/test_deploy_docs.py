@@ -40,7 +40,8 @@ def test_configuration_doc_covers_the_interface_variables_and_conventions() -> N
     for variable in (
         "TOOLCHORD_BROKER_URL", "TOOLCHORD_RESULT_BACKEND", "TOOLCHORD_REDIS_URL", "TOOLCHORD_TOOL_MODULES",
         "TOOLCHORD_DEFAULT_QUEUE", "TOOLCHORD_VISIBILITY_TIMEOUT", "TOOLCHORD_RESULT_TTL",
-        "TOOLCHORD_SANDBOX_UID", "TOOLCHORD_LOG_DIR", "FLOWER_BASIC_AUTH",
+        "TOOLCHORD_SANDBOX_UID", "TOOLCHORD_LOG_DIR", "FLOWER_BASIC_AUTH", "TOOLCHORD_MAX_ARGUMENT_BYTES",
+        "TOOLCHORD_MAX_RESULT_DATA_BYTES", "TOOLCHORD_MAX_CALLS_PER_TURN",
     ):
         assert f"| `{variable}` |" in text, variable
     for phrase in ("_FILE", "rediss://", "ssl_cert_reqs", "pickle", "user default off"):

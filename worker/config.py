@@ -15,6 +15,10 @@ from pydantic import BaseModel, Field
 
 from worker.redis_clients import is_redis_url, is_sentinel_url, redis_client, scheme_of
 
+DEFAULT_MAX_ARGUMENT_BYTES = 1024 * 1024
+DEFAULT_MAX_RESULT_DATA_BYTES = 1024 * 1024
+DEFAULT_MAX_CALLS_PER_TURN = 128
+
 
 class ConfigError(ValueError):
     """The configuration cannot work (for example pickle requested, or a missing secret file)."""
@@ -54,6 +58,18 @@ class Settings(BaseModel):
         default=None, description="One uid for every sandboxed call of a root worker; None: a uid per call."
     )
     log_dir: str = ".toolchord/logs"
+    max_argument_bytes: int = Field(
+        default=DEFAULT_MAX_ARGUMENT_BYTES, gt=0,
+        description="Largest arguments text (UTF-8 bytes) a call may carry; larger ones are refused unparsed.",
+    )
+    max_result_data_bytes: int = Field(
+        default=DEFAULT_MAX_RESULT_DATA_BYTES, gt=0,
+        description="Largest structured `data` (bytes of JSON) a result may carry; larger ones become an error.",
+    )
+    max_calls_per_turn: int = Field(
+        default=DEFAULT_MAX_CALLS_PER_TURN, gt=0,
+        description="Calls of one turn that run; the excess each get a NOT_EXECUTED result.",
+    )
 
     @property
     def embedded(self) -> bool:
@@ -108,6 +124,9 @@ class Settings(BaseModel):
             ("result_store_patience", "TOOLCHORD_RESULT_STORE_PATIENCE"),
             ("sandbox_uid", "TOOLCHORD_SANDBOX_UID"),
             ("log_dir", "TOOLCHORD_LOG_DIR"),
+            ("max_argument_bytes", "TOOLCHORD_MAX_ARGUMENT_BYTES"),
+            ("max_result_data_bytes", "TOOLCHORD_MAX_RESULT_DATA_BYTES"),
+            ("max_calls_per_turn", "TOOLCHORD_MAX_CALLS_PER_TURN"),
         ):
             if env.get(var):
                 values[field] = env[var]

@@ -11,6 +11,7 @@ it, in one fixed layout the model learns quickly:
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,8 @@ from pydantic import ValidationError
 from worker.models import ErrorCode, ToolCall, ToolError, ToolResult
 from worker.redaction import MASK, excerpt, is_secret_key, redact_text, well_formed
 
+# A list of 100,000 wrong items is one line per item to pydantic; the model needs the first few.
+_MAX_FIELD_LINES = 20
 _VERIFY = "Do not retry blindly: check whether the action took effect (for example by reading its state) before calling again."
 
 
@@ -34,12 +37,18 @@ def render(error: ToolError) -> str:
 
 
 def error_result(
-    call: ToolCall, error: ToolError, *, attempts: int = 0, duration_ms: float = 0.0, output: str = ""
+    call: ToolCall,
+    error: ToolError,
+    *,
+    attempts: int = 0,
+    duration_ms: float = 0.0,
+    output: str = "",
+    output_label: str = "Output before the error:",
 ) -> ToolResult:
     """A ToolResult carrying `error`; `output` (what the handler printed so far) follows the error text."""
     content = render(error)
     if output:
-        content = f"{content}\nOutput before the error:\n{output}"
+        content = f"{content}\n{output_label}\n{output}"
     return ToolResult(
         call_id=call.id,
         name=call.name,
@@ -66,7 +75,8 @@ def unknown_tool(call: ToolCall, available: Sequence[str]) -> ToolError:
 
 def invalid_json(call: ToolCall, problem: json.JSONDecodeError | str) -> ToolError:
     if isinstance(problem, json.JSONDecodeError):
-        where = f"{problem.msg} at line {problem.lineno} column {problem.colno} (char {problem.pos})"
+        # Some messages end in "at" already ("Unterminated string starting at").
+        where = f"{problem.msg.removesuffix(' at')} at line {problem.lineno} column {problem.colno} (char {problem.pos})"
     else:
         where = problem
     return ToolError(
@@ -119,13 +129,43 @@ def invalid_arguments(call: ToolCall, exc: ValidationError) -> ToolError:
             errs,
             secret=any(isinstance(part, str) and is_secret_key(part) for part in path),
         )
-        for path, errs in by_field.items()
+        for path, errs in itertools.islice(by_field.items(), _MAX_FIELD_LINES)
     ]
+    if len(by_field) > _MAX_FIELD_LINES:
+        lines.append(f"- … and {len(by_field) - _MAX_FIELD_LINES} more fields with errors")
     return ToolError(
         code=ErrorCode.INVALID_ARGUMENTS,
         message=f"the arguments for {call.name!r} do not match its parameters:\n" + "\n".join(lines),
         hint="Correct the listed fields and call the tool again; the parameter schema is in the tool declaration.",
         input_excerpt=excerpt(call.arguments if call.arguments is not None else call.arguments_raw),
+    )
+
+
+def arguments_too_large(call: ToolCall, size: int, limit: int) -> ToolError:
+    """Arguments over TOOLCHORD_MAX_ARGUMENT_BYTES: refused before they are parsed."""
+    return ToolError(
+        code=ErrorCode.INVALID_ARGUMENTS,
+        message=(
+            f"the arguments for {call.name!r} are too large: {size:,} bytes, over the limit of {limit:,} bytes "
+            "(TOOLCHORD_MAX_ARGUMENT_BYTES); they were not read."
+        ),
+        hint="Send much smaller arguments: pass a reference (a path, URL or id) instead of the content itself, "
+        "or split the work into several calls.",
+        input_excerpt=excerpt(call.arguments_raw),
+    )
+
+
+def result_data_too_large(call: ToolCall, size: int, limit: int) -> ToolError:
+    """A handler's structured `data` over TOOLCHORD_MAX_RESULT_DATA_BYTES: dropped, not cut."""
+    return ToolError(
+        code=ErrorCode.EXECUTION_ERROR,
+        message=(
+            f"{call.name!r} finished, but its structured result is too large: {size:,} bytes of JSON, over the "
+            f"limit of {limit:,} bytes (TOOLCHORD_MAX_RESULT_DATA_BYTES), so the structured data was dropped."
+        ),
+        hint="The call did run: do not repeat it just to get the data. If you need the data, ask for less of it "
+        "(a filter, a page, a limit); the text output, if any, follows.",
+        input_excerpt=excerpt(call.arguments_raw),
     )
 
 
@@ -193,6 +233,19 @@ def not_executed(call: ToolCall, reason: str) -> ToolError:
         code=ErrorCode.NOT_EXECUTED,
         message=f"{call.name!r} was not run: {reason}.",
         hint="It had no effect; call it again if it is still needed.",
+        input_excerpt=excerpt(call.arguments_raw),
+    )
+
+
+def over_call_cap(call: ToolCall, calls: int, limit: int) -> ToolError:
+    """A call past the per-turn cap (TOOLCHORD_MAX_CALLS_PER_TURN): never read, never run."""
+    return ToolError(
+        code=ErrorCode.NOT_EXECUTED,
+        message=(
+            f"{call.name!r} was not run: this turn has {calls:,} calls and at most {limit} calls run per turn "
+            f"(TOOLCHORD_MAX_CALLS_PER_TURN); the first {limit} in order ran."
+        ),
+        hint=f"It had no effect. Call it again in a later turn if it is still needed, with at most {limit} calls per turn.",
         input_excerpt=excerpt(call.arguments_raw),
     )
 

@@ -27,15 +27,3 @@ class CallPayload(BaseModel):
     @property
     def cancel_scope(self) -> str:
         return cancel_scope(self.turn_id, self.key)
-
-
-class CallRef(BaseModel):
-    """A call as the chord callback sees it: enough to order and synthesize, no arguments.
-
-    Every header message carries a copy of the callback (celery-findings pitfall 8), so this
-    stays small: no arguments, which would make a turn's messages grow with the square of its calls.
-    """
-
-    id: str
-    name: str
-    side_effect: str = "unsafe"

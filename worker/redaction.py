@@ -25,21 +25,45 @@ _SECRET_KEY = re.compile(
     r"private[-_]?key|session[-_]?id|cookie|signature)",
     re.IGNORECASE,
 )
+# Every pattern below runs on model-supplied text of any size, so each must stay linear: a match
+# may only start where a word starts, and runs that cannot give back characters are possessive
+# (`*+`, `++`), so a failed attempt never rescans what it already read.
 _TEXT_PATTERNS = [
     # "Bearer abc.def" / "Basic xyz=="
-    re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}"),
+    re.compile(r"(?i)\b(bearer|basic)\s++[A-Za-z0-9._~+/=-]{8,}"),
     # provider-style keys: sk-..., sk-ant-..., ghp_..., xoxb-..., AKIA...
     re.compile(r"\b(sk-[A-Za-z0-9_-]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|xox[abpr]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16})\b"),
     # URLs with credentials: scheme://user:pass@host
-    re.compile(r"(?<=://)[^/\s:@]*:[^/\s@]+(?=@)"),
+    re.compile(r"(?<=://)[^/\s:@]*+:[^/\s@]++(?=@)"),
 ]
+# `key=value` / `"key": value` with a credential-like key. The key is a whole word (never a part of
+# a longer run of word characters): the lookahead finds the credential word inside it, then the word
+# is read once, possessively. The older `[\w.-]*(token|...)[\w.-]*` retried every suffix of a long
+# word at every position, which is quadratic (20 KB of base64 took seconds, "token" * 1000 minutes).
 _KEY_VALUE = re.compile(
     r"""(?ix)
-    (?P<key>["']?[\w.-]*(pass(word|wd)?|secret|token|api[-_]?key|apikey|credential)[\w.-]*["']?)
-    (?P<sep>\s*[:=]\s*)
-    (?P<value>"[^"]*"|'[^']*'|[^\s,;&}]+)
+    (?<![\w.-])
+    (?P<key>["']?
+        (?=[\w.-]*?(pass(word|wd)?|secret|token|api[-_]?key|apikey|credential))
+        [\w.-]++["']?)
+    (?P<sep>\s*+[:=]\s*+)
+    (?P<value>"[^"]*+"|'[^']*+'|[^\s,;&}]++)
     """
 )
+# A quoted JSON key named like a credential (the fuller list of is_secret_key) with its value: this
+# covers JSON text too large to parse for an excerpt, where `redact` cannot mask by key.
+_JSON_SECRET_FIELD = re.compile(
+    r"""(?ix)
+    (?P<key>"(?=[^"\\]{0,64}+")[^"\\]*?
+        (pass(word|wd|phrase)?|secret|token|api[-_]?key|apikey|auth(orization)?|credential|
+         private[-_]?key|session[-_]?id|cookie|signature)[^"\\]*+")
+    (?P<sep>\s*+:\s*+)
+    (?P<value>"(?:[^"\\]|\\.)*+"|[^\s,}\]]++)
+    """
+)
+# An excerpt of a longer string is cut from a redacted head of this many characters; the rest of
+# the input is never parsed or scanned, so an excerpt costs the same for 1 KB or 10 MB of input.
+_HEAD_WINDOW = 16 * 1024
 
 
 def is_secret_key(key: str) -> bool:
@@ -51,6 +75,7 @@ def redact_text(text: str) -> str:
     """Mask credentials inside free text (tokens, keys, `password=...`, URL credentials)."""
     for pattern in _TEXT_PATTERNS:
         text = pattern.sub(MASK, text)
+    text = _JSON_SECRET_FIELD.sub(lambda m: f"{m['key']}{m['sep']}{MASK}", text)
     return _KEY_VALUE.sub(lambda m: f"{m['key']}{m['sep']}{MASK}", text)
 
 
@@ -89,7 +114,14 @@ def well_formed(text: str) -> str:
 
 
 def excerpt(raw: Any, limit: int = 300) -> str:
-    """A redacted, bounded excerpt of some input for error messages and logs."""
+    """A redacted, bounded excerpt of some input for error messages and logs.
+
+    Linear in the input, and a string longer than 16 KiB costs no more than one of 16 KiB: only
+    its head is redacted (as text, not parsed), and the excerpt gives the full length.
+    """
+    if isinstance(raw, str) and len(raw) > _HEAD_WINDOW:
+        head = well_formed(redact_text(raw[:_HEAD_WINDOW]))
+        return f"{head[:limit]}… ({len(raw)} chars)"
     if isinstance(raw, str):
         try:
             parsed = json.loads(raw)

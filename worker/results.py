@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from worker import errors
+from worker.config import DEFAULT_MAX_RESULT_DATA_BYTES
 from worker.execution import HandlerOutcome
 from worker.models import ToolCall, ToolResult
 from worker.policy import policy_of
@@ -14,16 +18,34 @@ from worker.tools import ToolSpec
 _PARTIAL_OUTPUT_CHARS = 2_000
 
 
+def _json_bytes(data: Any) -> int:
+    return len(json.dumps(data, ensure_ascii=False, separators=(",", ":"), default=str).encode("utf-8", "surrogatepass"))
+
+
 def result_from_outcome(
-    call: ToolCall, spec: ToolSpec, outcome: HandlerOutcome, *, attempts: int, spill: SessionSpill | None
+    call: ToolCall,
+    spec: ToolSpec,
+    outcome: HandlerOutcome,
+    *,
+    attempts: int,
+    spill: SessionSpill | None,
+    max_data_bytes: int = DEFAULT_MAX_RESULT_DATA_BYTES,
 ) -> ToolResult:
     """One ToolResult for a finished attempt, with the side-effect class deciding unknown outcomes.
 
     A cut output is spilled into `spill`, the calling session's part of the spill store.
+    Structured `data` over `max_data_bytes` of JSON is dropped whole (never cut into invalid JSON)
+    and the result is an EXECUTION_ERROR that says so, followed by the handler's capped text.
     """
     if outcome.status == "ok":
         text = outcome.content if outcome.content else outcome.output
         content, truncated = cap_content(text or "", spec.max_output_chars, spill)
+        size = _json_bytes(outcome.data) if outcome.data is not None else 0
+        if size > max_data_bytes:
+            error = errors.result_data_too_large(call, size, max_data_bytes)
+            return errors.error_result(
+                call, error, attempts=attempts, duration_ms=outcome.duration_ms, output=content, output_label="Text output:"
+            ).model_copy(update={"truncated": truncated})
         return ToolResult(
             call_id=call.id,
             name=call.name,

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from worker import errors
+from worker.config import DEFAULT_MAX_RESULT_DATA_BYTES
 from worker.context import ToolContext
 from worker.execution import HandlerOutcome
 from worker.models import ToolCall, ToolResult
@@ -44,11 +45,14 @@ def execute_call(
     *,
     spill: SpillStore | None,
     attempts: int = 1,
+    max_data_bytes: int = DEFAULT_MAX_RESULT_DATA_BYTES,
 ) -> ToolResult:
     """Run one call once and shape its result. Never raises for handler misbehaviour."""
     outcome = run_handler(spec, arguments, context)
     session_spill = SessionSpill(spill, context.session_id) if spill is not None else None
-    return result_from_outcome(call, spec, outcome, attempts=attempts, spill=session_spill)
+    return result_from_outcome(
+        call, spec, outcome, attempts=attempts, spill=session_spill, max_data_bytes=max_data_bytes
+    )
 
 
 def unavailable_tool_result(call: ToolCall, available: list[str]) -> ToolResult:

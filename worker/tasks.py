@@ -13,8 +13,9 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 from celery import Celery, Task
@@ -25,7 +26,7 @@ from worker.context import ToolContext
 from worker.execution import HandlerOutcome
 from worker.idempotency import Claim, ClaimState
 from worker.models import ErrorCode, SideEffect, ToolCall, ToolResult
-from worker.payloads import CallPayload, CallRef
+from worker.payloads import CallPayload
 from worker.policy import SIDE_EFFECT_POLICIES, policy_of
 from worker.results import result_from_outcome
 from worker.runner import run_handler, unavailable_tool_result
@@ -51,6 +52,16 @@ def backoff_seconds(retries: int, visibility_timeout: int) -> float:
     """Exponential backoff with full jitter, capped well below the visibility timeout."""
     cap = min(_MAX_BACKOFF, visibility_timeout / 4)
     return random.uniform(0, min(cap, 0.2 * 2**retries))
+
+
+class DispatchedLike(Protocol):
+    """A call the orchestrator sent to the workers (orchestrator.turn.DispatchedCall)."""
+
+    @property
+    def call(self) -> ToolCall: ...
+
+    @property
+    def side_effect(self) -> SideEffect: ...
 
 
 class _Retry(Exception):
@@ -129,7 +140,10 @@ class CallExecution:
                 return self._store(token, reconciled, provisional=unknown)
         outcome = self._run_handler(spec, token)
         spill = SessionSpill(self.rt.spill, self.p.session_id)
-        result = result_from_outcome(self.call, spec, outcome, attempts=self.attempt, spill=spill)
+        result = result_from_outcome(
+            self.call, spec, outcome, attempts=self.attempt, spill=spill,
+            max_data_bytes=self.rt.settings.max_result_data_bytes,
+        )
         retry_in = self._retry_countdown(spec, outcome)
         if retry_in is not None:
             forget = not outcome.started or policy_of(spec.side_effect).repeatable
@@ -307,30 +321,35 @@ def _make_call_task(app: Celery, side_effect: SideEffect) -> Task:
     return run_call
 
 
-def collect(results: list[Any], order: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Exactly one result per call id in the model's order; a missing one is synthesized.
+def collect(results: list[Any]) -> list[dict[str, Any]]:
+    """The header's results as one list, one per call id (the first seen wins).
 
-    `results` is what the header returned: one list of result dicts per header element.
+    `results` is what the header returned: one list of result dicts per header element. The
+    callback takes nothing else, so no header message grows with the turn's size; the
+    orchestrator puts the results in the model's order (`with_lost_results`).
     """
     by_id: dict[str, dict[str, Any]] = {}
     for element in results or []:
         for item in element if isinstance(element, list) else [element]:
             if isinstance(item, dict) and "call_id" in item:
                 by_id.setdefault(item["call_id"], item)
-    ordered = []
-    for ref_data in order:
-        ref = CallRef.model_validate(ref_data)
-        found = by_id.get(ref.id)
-        if found is None:
-            call = ToolCall(id=ref.id, name=ref.name, arguments_raw="")
-            error = (
-                errors.outcome_unknown(call, "its result was lost")
-                if policy_of(ref.side_effect).unobserved_is_unknown
-                else errors.execution_error(call, "ResultLost", "the worker returned no result for this call")
-            )
-            found = errors.error_result(call, error).model_dump(mode="json")
-        ordered.append(found)
-    return ordered
+    return list(by_id.values())
+
+
+def with_lost_results(collected: list[Any] | None, dispatched: Sequence[DispatchedLike]) -> list[dict[str, Any]]:
+    """`collected` plus a synthesized result for each dispatched call the callback had none for."""
+    items = [item for item in collected or [] if isinstance(item, dict) and "call_id" in item]
+    found = {item["call_id"] for item in items}
+    for dc in dispatched:
+        if dc.call.id in found:
+            continue
+        error = (
+            errors.outcome_unknown(dc.call, "its result was lost")
+            if policy_of(dc.side_effect).unobserved_is_unknown
+            else errors.execution_error(dc.call, "ResultLost", "the worker returned no result for this call")
+        )
+        items.append(errors.error_result(dc.call, error).model_dump(mode="json"))
+    return items
 
 
 def register_tasks(app: Celery) -> None:
@@ -352,4 +371,5 @@ __all__ = [
     "collect",
     "register_tasks",
     "unknown_outcome_in",
+    "with_lost_results",
 ]

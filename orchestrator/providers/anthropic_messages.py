@@ -12,12 +12,14 @@ from typing import Any
 
 from orchestrator.providers.pairing import PairingEntry, check_entries
 from orchestrator.providers.plain_data import (
+    DeltaBuffer,
     as_list,
     as_mapping,
     check_unique_ids,
     compact_json,
     indexed_across,
     messages_text,
+    newly_rankable,
     parse_arguments,
     read_arguments,
     required_text,
@@ -271,11 +273,18 @@ class AnthropicStreamAccumulator:
     def __init__(self) -> None:
         self._message: dict[str, Any] = {"role": "assistant"}
         self._blocks: dict[int, _BlockDraft] = {}
+        self._deltas = DeltaBuffer()
+        # Call ranks of the blocks ranked so far (blocks below _ranked_upto), and the ids handed out.
+        self._call_rank: dict[int, int] = {}
+        self._ranked_upto = 0
+        self._handed_ids: set[str] = set()
 
     def feed(self, event: Any) -> list[ToolCall]:
         """Apply one event; returns the calls it completed."""
         data = as_mapping(to_plain(event), "anthropic stream event")
         kind = data.get("type")
+        if kind != "content_block_delta":
+            self._deltas.flush()
         if kind == "message_start":
             message = dict(as_mapping(data.get("message"), "message_start.message"))
             for position, block in enumerate(as_list(message.pop("content", None), "message_start content")):
@@ -288,9 +297,11 @@ class AnthropicStreamAccumulator:
             block = dict(as_mapping(data.get("content_block"), "content_block_start.content_block"))
             self._blocks[index] = _BlockDraft(data=block)
         elif kind == "content_block_delta":
-            self._apply_delta(self._open_block(data), as_mapping(data.get("delta"), "content_block_delta.delta"))
+            self._apply_delta(self._open_block(data), as_mapping(data.get("delta"), "content_block_delta.delta"), self._deltas)
+            return []  # a delta completes nothing
         elif kind == "content_block_stop":
             self._open_block(data).finalize()
+            return self._hand_out(final=False, stopped=self._event_index(data))
         elif kind == "message_delta":
             delta = as_mapping(data.get("delta") or {}, "message_delta.delta")
             self._message.update({key: value for key, value in delta.items() if value is not None})
@@ -302,6 +313,7 @@ class AnthropicStreamAccumulator:
 
     def finish(self) -> list[ToolCall]:
         """End of stream: blocks still open are closed with what arrived; remaining calls in order."""
+        self._deltas.flush()
         for draft in self._blocks.values():
             if not draft.stopped:
                 draft.finalize()
@@ -309,6 +321,7 @@ class AnthropicStreamAccumulator:
 
     def assistant_output(self) -> dict[str, Any]:
         """The assembled message as a dict with a "content" list (what `parse_calls` accepts)."""
+        self._deltas.flush()
         content = []
         for index in sorted(self._blocks):
             draft = self._blocks[index]
@@ -335,37 +348,55 @@ class AnthropicStreamAccumulator:
         return draft
 
     @staticmethod
-    def _apply_delta(draft: _BlockDraft, delta: dict[str, Any]) -> None:
+    def _apply_delta(draft: _BlockDraft, delta: dict[str, Any], deltas: DeltaBuffer) -> None:
         kind = delta.get("type")
         block = draft.data
         if kind == "input_json_delta":
             draft.json_parts.append(delta.get("partial_json") or "")
         elif kind == "text_delta":
-            block["text"] = (block.get("text") or "") + (delta.get("text") or "")
+            deltas.add(block, "text", delta.get("text") or "")
         elif kind == "thinking_delta":
-            block["thinking"] = (block.get("thinking") or "") + (delta.get("thinking") or "")
+            deltas.add(block, "thinking", delta.get("thinking") or "")
         elif kind == "signature_delta":
-            block["signature"] = (block.get("signature") or "") + (delta.get("signature") or "")
+            deltas.add(block, "signature", delta.get("signature") or "")
         elif kind == "citations_delta":
-            block["citations"] = [*(block.get("citations") or []), delta.get("citation")]
+            if not isinstance(block.get("citations"), list):
+                block["citations"] = []
+            block["citations"].append(delta.get("citation"))
 
-    def _hand_out(self, *, final: bool) -> list[ToolCall]:
-        ready: list[tuple[int, _BlockDraft]] = []
-        call_rank = 0
-        for index in sorted(self._blocks):
-            # Until every earlier block has started, a call's index among the calls is not known.
-            if not final and index != 0 and index - 1 not in self._blocks:
-                break
-            draft = self._blocks[index]
-            if draft.is_call:
-                if draft.stopped and not draft.handed_out:
-                    ready.append((call_rank, draft))
-                call_rank += 1
+    def _rank_blocks(self, *, final: bool) -> list[int]:
+        """Give call ranks to blocks whose rank is now known; returns the call blocks just ranked.
+
+        Each block is ranked once (`newly_rankable`): a stream of N calls costs O(N), not O(N) per event.
+        """
+        pending = newly_rankable(self._ranked_upto, self._blocks, final=final)
+        ranked = []
+        for index in pending:
+            if self._blocks[index].is_call:
+                self._call_rank[index] = len(self._call_rank)
+                ranked.append(index)
+        if pending:
+            self._ranked_upto = pending[-1] + 1
+        return ranked
+
+    def _hand_out(self, *, final: bool, stopped: int | None = None) -> list[ToolCall]:
+        """The calls that became complete and ranked: newly ranked ones, or the block that just stopped."""
+        candidates = set(self._rank_blocks(final=final))
+        if stopped is not None:
+            candidates.add(stopped)
+        if final:
+            candidates.update(self._call_rank)
+        ready = sorted(
+            (self._call_rank[index], self._blocks[index])
+            for index in candidates
+            if index in self._call_rank and self._blocks[index].stopped and not self._blocks[index].handed_out
+        )
         calls = []
         for rank, draft in ready:
             draft.handed_out = True
             (call,) = _read_calls([draft.data])
+            if call.id in self._handed_ids:
+                raise ProviderFormatError(f"anthropic stream: two tool calls share the id {call.id!r}")
+            self._handed_ids.add(call.id)
             calls.append(call.model_copy(update={"index": rank}))
-        handed_ids = [draft.data.get("id") for draft in self._blocks.values() if draft.handed_out]
-        check_unique_ids([str(call_id) for call_id in handed_ids], "anthropic stream")
         return calls

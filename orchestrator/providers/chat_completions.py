@@ -223,6 +223,8 @@ class ChatStreamAccumulator:
 
     def __init__(self) -> None:
         self._drafts: dict[int, _CallDraft] = {}
+        # Drafts by call id, for servers that send fragments without an index.
+        self._by_id: dict[str, _CallDraft] = {}
         self._content: list[str] = []
         self._refusal: list[str] = []
         self._extra = DeltaFields()
@@ -276,6 +278,7 @@ class ChatStreamAccumulator:
                     f"tool call at index {draft.stream_index} changed id from {draft.id!r} to {fragment_id!r}"
                 )
             draft.id = fragment_id
+            self._by_id[fragment_id] = draft
         function = as_mapping(fragment.get("function") or {}, "tool call fragment function")
         name = function.get("name")
         # Some compatible servers repeat the name in every fragment; the same name again is not new.
@@ -295,11 +298,11 @@ class ChatStreamAccumulator:
         fragment_id = fragment.get("id")
         if not fragment_id:
             raise ProviderFormatError("tool call fragment has neither index nor id")
-        for draft in self._drafts.values():
-            if draft.id == fragment_id:
-                return draft
-        new_index = max(self._drafts, default=-1) + 1
-        return self._drafts.setdefault(new_index, _CallDraft(stream_index=new_index, id=fragment_id))
+        draft = self._by_id.get(fragment_id)
+        if draft is None:
+            new_index = max(self._drafts, default=-1) + 1
+            draft = self._drafts.setdefault(new_index, _CallDraft(stream_index=new_index, id=fragment_id))
+        return draft
 
     def _complete(self) -> list[ToolCall]:
         if self._completed:

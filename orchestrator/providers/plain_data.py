@@ -203,6 +203,45 @@ def required_text(container: Mapping[str, Any], key: str, what: str) -> str:
     return value
 
 
+class DeltaBuffer:
+    """Streamed text deltas kept as parts and joined once, when the text is read.
+
+    `item[key] = item[key] + delta` copies the whole text at every delta: a 5 MB argument in 1 KB
+    deltas would copy gigabytes. Call `flush` before reading any buffered field.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[tuple[int, str], tuple[dict[str, Any], list[str]]] = {}
+
+    def add(self, target: dict[str, Any], key: str, delta: str) -> None:
+        """Append `delta` to the text `target[key]` (missing or None reads as empty)."""
+        entry = self._pending.get((id(target), key))
+        if entry is None:
+            entry = self._pending[(id(target), key)] = (target, [target.get(key) or ""])
+        entry[1].append(delta)
+
+    def flush(self) -> None:
+        """Write every buffered text into its field."""
+        for (_, key), (target, parts) in self._pending.items():
+            target[key] = "".join(parts)
+        self._pending.clear()
+
+
+def newly_rankable(start: int, present: Mapping[int, Any], *, final: bool) -> list[int]:
+    """Stream positions from `start` on whose rank among the calls is now known, in order.
+
+    A rank is known once every earlier position has arrived: the contiguous run of present
+    positions from `start` (at the end of the stream, every remaining one). Streams call this with
+    `start` just past the last position ranked, so each position is looked at once.
+    """
+    if final:
+        return sorted(index for index in present if index >= start)
+    pending: list[int] = []
+    while start + len(pending) in present:
+        pending.append(start + len(pending))
+    return pending
+
+
 def check_unique_ids(ids: list[str], what: str) -> None:
     """Two calls with one id could not be paired with their results."""
     seen: set[str] = set()

@@ -10,11 +10,13 @@ from typing import Any
 
 from orchestrator.providers.pairing import PairingEntry, check_entries
 from orchestrator.providers.plain_data import (
+    DeltaBuffer,
     as_list,
     as_mapping,
     call_arguments_json,
     check_unique_ids,
     function_declaration,
+    newly_rankable,
     read_arguments,
     replayable_arguments,
     required_text,
@@ -37,6 +39,9 @@ def _request_item(item: dict[str, Any]) -> dict[str, Any]:
     if item.get("type") == "function_call":
         item["arguments"] = replayable_arguments(item.get("arguments"))
     return item
+
+# Events that only append text: buffered, and they complete no call.
+_DELTA_EVENTS = frozenset({"response.function_call_arguments.delta", "response.output_text.delta"})
 
 
 def _output_items(output: Any) -> list[Any]:
@@ -177,12 +182,21 @@ class ResponsesStreamAccumulator:
         self._items: dict[int, dict[str, Any]] = {}
         self._index_by_item_id: dict[str, int] = {}
         self._done: set[int] = set()
+        self._deltas = DeltaBuffer()
         self._handed_out: dict[int, ToolCall] = {}
+        # Call ranks of the items ranked so far (items below _ranked_upto), calls completed since
+        # the last hand-out, and the ids handed out.
+        self._call_rank: dict[int, int] = {}
+        self._ranked_upto = 0
+        self._newly_done: set[int] = set()
+        self._handed_ids: set[str] = set()
 
     def feed(self, event: Any) -> list[ToolCall]:
         """Apply one event; returns the calls it completed."""
         data = as_mapping(to_plain(event), "responses stream event")
         kind = data.get("type")
+        if kind not in _DELTA_EVENTS:
+            self._deltas.flush()
         if kind in ("response.created", "response.in_progress"):
             self._take_response(as_mapping(data.get("response"), f"{kind}.response"))
         elif kind == "response.output_item.added":
@@ -192,13 +206,14 @@ class ResponsesStreamAccumulator:
             self._store(index, dict(as_mapping(data.get("item"), "output_item.added.item")))
         elif kind == "response.function_call_arguments.delta":
             item = self._open_call(data)
-            item["arguments"] = (item.get("arguments") or "") + (data.get("delta") or "")
+            self._deltas.add(item, "arguments", data.get("delta") or "")
+            return []  # a delta completes nothing
         elif kind == "response.function_call_arguments.done":
             index = self._event_index(data, known=True)
             item = self._open_call(data)
             if isinstance(data.get("arguments"), str):
                 item["arguments"] = data["arguments"]
-            self._done.add(index)
+            self._mark_done(index)
         elif kind == "response.output_item.done":
             index = self._event_index(data, known=False)
             self._settle(index, dict(as_mapping(data.get("item"), "output_item.done.item")))
@@ -215,7 +230,8 @@ class ResponsesStreamAccumulator:
             content = item.get("content")
             position = data.get("content_index", 0)
             if isinstance(content, list) and isinstance(position, int) and position < len(content):
-                content[position]["text"] = (content[position].get("text") or "") + (data.get("delta") or "")
+                self._deltas.add(content[position], "text", data.get("delta") or "")
+            return []
         elif kind in ("response.completed", "response.incomplete"):
             response = as_mapping(data.get("response"), f"{kind}.response")
             self._take_response(response)
@@ -225,13 +241,15 @@ class ResponsesStreamAccumulator:
 
     def finish(self) -> list[ToolCall]:
         """End of stream: every call not yet handed out, with the arguments that arrived, in order."""
+        self._deltas.flush()
         for index, item in self._items.items():
             if item.get("type") == "function_call":
-                self._done.add(index)
+                self._mark_done(index)
         return self._hand_out(final=True)
 
     def assistant_output(self) -> dict[str, Any]:
         """The assembled response as a dict with an "output" list (what `parse_calls` accepts)."""
+        self._deltas.flush()
         return {**self._response, "output": [self._items[index] for index in sorted(self._items)]}
 
     def _take_response(self, response: dict[str, Any]) -> None:
@@ -248,7 +266,7 @@ class ResponsesStreamAccumulator:
         self._store(index, item)
         if item.get("type") != "function_call":
             return
-        self._done.add(index)
+        self._mark_done(index)
         if earlier is not None:
             (settled,) = _read_calls([item])
             if (settled.id, settled.name, settled.arguments_raw) != (earlier.id, earlier.name, earlier.arguments_raw):
@@ -274,23 +292,46 @@ class ResponsesStreamAccumulator:
             raise ProviderFormatError(f"{data.get('type')} for output item {index}, which is already complete")
         return item
 
-    def _hand_out(self, *, final: bool) -> list[ToolCall]:
-        calls: list[ToolCall] = []
-        call_rank = 0
-        for index in sorted(self._items):
-            # Until every earlier item has been added, a call's index among the calls is not known.
-            if not final and index != 0 and index - 1 not in self._items:
-                break
+    def _rank_items(self, *, final: bool) -> list[int]:
+        """Give call ranks to items whose rank is now known; returns the function calls just ranked.
+
+        Each item is ranked once (`newly_rankable`): a stream of N calls costs O(N), not O(N) per event.
+        """
+        pending = newly_rankable(self._ranked_upto, self._items, final=final)
+        ranked = []
+        for index in pending:
             item = self._items[index]
             if item.get("type") in _UNSUPPORTED_CALL_ITEMS:
                 _read_calls([item])  # raises: the turn cannot be answered
-            if item.get("type") != "function_call":
-                continue
-            if index in self._done and index not in self._handed_out:
-                (call,) = _read_calls([item])
-                call = call.model_copy(update={"index": call_rank})
-                self._handed_out[index] = call
-                calls.append(call)
-            call_rank += 1
-        check_unique_ids([call.id for call in self._handed_out.values()], "responses stream")
+            if item.get("type") == "function_call":
+                self._call_rank[index] = len(self._call_rank)
+                ranked.append(index)
+        if pending:
+            self._ranked_upto = pending[-1] + 1
+        return ranked
+
+    def _hand_out(self, *, final: bool) -> list[ToolCall]:
+        """The calls that became complete and ranked since the last event, in call order."""
+        candidates = set(self._rank_items(final=final)) | self._newly_done
+        self._newly_done = set()
+        if final:
+            candidates.update(self._call_rank)
+        ready = sorted(
+            (self._call_rank[index], index)
+            for index in candidates
+            if index in self._call_rank and index in self._done and index not in self._handed_out
+        )
+        calls: list[ToolCall] = []
+        for rank, index in ready:
+            (call,) = _read_calls([self._items[index]])
+            call = call.model_copy(update={"index": rank})
+            if call.id in self._handed_ids:
+                raise ProviderFormatError(f"responses stream: two tool calls share the id {call.id!r}")
+            self._handed_ids.add(call.id)
+            self._handed_out[index] = call
+            calls.append(call)
         return calls
+
+    def _mark_done(self, index: int) -> None:
+        self._done.add(index)
+        self._newly_done.add(index)
