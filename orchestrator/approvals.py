@@ -32,6 +32,7 @@ from orchestrator.history_repair import History
 from orchestrator.turn import DispatchedCall, TurnRecord
 from worker import errors
 from worker.models import ToolResult
+from worker.policy import policy_of
 from worker.redaction import redact
 from worker.tools import ToolSpec
 
@@ -138,7 +139,7 @@ class ApprovalDesk:
                 call=stored_call(dc.call, spec.store_raw_arguments), tool=spec.name, side_effect=dc.side_effect,
                 arguments=redact(spec.args_model.model_validate(dc.arguments).model_dump()),
                 key=dc.key, task_id=dc.task_id,
-                run_window=spec.timeout * (1 if spec.side_effect == "unsafe" else 2) + _RUN_SLACK,
+                run_window=spec.timeout * policy_of(spec.side_effect).deadline_attempts + _RUN_SLACK,
                 requested_at=now, expires_at=now + spec.approval_timeout, signature=dict(signature),
             ))
         self.store.open(approvals, self.orch.runtime.settings.result_ttl)

@@ -73,15 +73,17 @@ def unknown_tool(call: ToolCall, available: Sequence[str]) -> ToolError:
     )
 
 
-def invalid_json(call: ToolCall, problem: json.JSONDecodeError | str) -> ToolError:
-    if isinstance(problem, json.JSONDecodeError):
-        # Some messages end in "at" already ("Unterminated string starting at").
-        where = f"{problem.msg.removesuffix(' at')} at line {problem.lineno} column {problem.colno} (char {problem.pos})"
-    else:
-        where = problem
+def json_problem(problem: json.JSONDecodeError) -> str:
+    """Where and why JSON text could not be read, for an INVALID_JSON message."""
+    # Some messages end in "at" already ("Unterminated string starting at").
+    return f"{problem.msg.removesuffix(' at')} at line {problem.lineno} column {problem.colno} (char {problem.pos})"
+
+
+def invalid_json(call: ToolCall, problem: str) -> ToolError:
+    """The arguments are not one JSON object; `problem` says why (see `json_problem`)."""
     return ToolError(
         code=ErrorCode.INVALID_JSON,
-        message=f"the arguments for {call.name!r} are not a JSON object: {where}.",
+        message=f"the arguments for {call.name!r} are not a JSON object: {problem}.",
         hint="Send the arguments as one JSON object matching the tool's parameters, e.g. {\"field\": \"value\"}.",
         input_excerpt=excerpt(call.arguments_raw),
     )

@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from orchestrator.providers.protocol import AssistantText, ProviderFormatError
+from worker.errors import json_problem
 from worker.models import ToolCall
 from worker.registry import ToolDeclaration
 
@@ -80,7 +81,7 @@ def load_arguments(raw: str) -> dict[str, Any]:
     try:
         parsed = json.loads(raw, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
-        raise ArgumentsProblem(f"{exc.msg} at line {exc.lineno} column {exc.colno} (char {exc.pos})") from None
+        raise ArgumentsProblem(json_problem(exc)) from None
     except ValueError as exc:
         raise ArgumentsProblem(f"{exc} (use a number or null)") from None
     except RecursionError:
