@@ -302,9 +302,13 @@ class Orchestrator:
             awaiting_approval=self.approvals.awaiting(record),
         )
         self.turns.finish(record, turn, settled, watched)
+        self._stop_watching(record)
+        return turn
+
+    def _stop_watching(self, record: TurnRecord) -> None:
+        """This process no longer waits for the turn (finished, or its waiter was cancelled)."""
         self._waiting.discard((record.session_id, record.turn_id))
         self._cancelled_here.discard((record.session_id, record.turn_id))
-        return turn
 
     def _stored_results(self, keys: list[str]) -> list[str | None]:
         return self.runtime.store.results(keys)
@@ -495,6 +499,15 @@ class Orchestrator:
         if isinstance(started, TurnResult):
             return started
         record, body_id = started
+        try:
+            return await self._await_turn(record, body_id)
+        except asyncio.CancelledError:
+            # The caller stopped waiting (the turn goes on: `resume` or a retry with the same ids
+            # finds it); this process keeps no trace of it.
+            self._stop_watching(record)
+            raise
+
+    async def _await_turn(self, record: TurnRecord, body_id: str) -> TurnResult:
         waiter = self._waiter()
         remote_check = _RemoteCancelClock()
         callback_failed = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -92,3 +93,20 @@ def test_importing_the_packages_builds_no_celery_app() -> None:
     env = {"TOOLCHORD_BROKER_URL": "redis://127.0.0.1:1/0", "PATH": ""}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env, check=True)
     assert done.stdout.strip() == "lazy", done.stderr
+
+
+@tool(side_effect="read", sandbox={"isolate": False}, timeout=5)
+def nap(seconds: float) -> str:
+    """Sleep a while."""
+    time.sleep(seconds)
+    return "rested"
+
+
+def test_a_cancelled_async_waiter_leaves_no_trace_of_its_turn() -> None:
+    orch = Orchestrator(Registry([nap]), settings=Settings())
+    call = ToolCall(id="c", name="nap", arguments_raw='{"seconds": 1.5}', index=0)
+    with pytest.raises(TimeoutError):
+        asyncio.run(asyncio.wait_for(orch.arun_calls("s-cancelled-waiter", [call]), 0.3))
+    # A framework that gives up on a call (a cancelled tool invocation) must not leave the turn in
+    # this long-lived orchestrator's watch list: it would grow by one entry per abandoned turn.
+    assert orch._waiting == set() and orch._cancelled_here == set()
