@@ -164,3 +164,49 @@ def leave_orphans(count: int) -> int:
             time.sleep(60)
             os._exit(0)
     return count
+
+
+def _wait_for(path: str, seconds: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@tool(timeout=10)
+def wait_for_sibling(path: str) -> str:
+    """Publish this call's pids (every pid namespace's number of it) in `path`, then wait until
+    the sibling call is done with them: the sibling must not have been able to kill this one."""
+    with open("/proc/self/status") as status:
+        numbers = next(line for line in status if line.startswith("NSpid:")).split()[1:]
+    with open(f"{path}.tmp", "w") as published:
+        published.write(" ".join(numbers))
+    os.rename(f"{path}.tmp", path)
+    return "finished" if _wait_for(f"{path}.done", 8) else "sibling never done"
+
+
+@tool(timeout=10)
+def kill_sibling(path: str) -> dict[str, object]:
+    """SIGKILL a concurrently running call by each number it published for itself, and list
+    every pid this call can signal (signal 0) besides its own."""
+    if not _wait_for(path, 8):
+        return {"error": "the sibling never published its pids"}
+    with open(path) as published:
+        numbers = [int(number) for number in published.read().split()]
+    kills = {
+        str(pid): _attempt(lambda pid=pid: os.kill(pid, signal.SIGKILL))
+        for pid in numbers
+        if pid != os.getpid()
+    }
+    visible = [
+        pid
+        for pid in range(1, 1 << 15)
+        if pid != os.getpid() and _attempt(lambda pid=pid: os.kill(pid, 0)) == "ok"
+    ]
+    with open(f"{path}.done", "w"):
+        pass
+    return {"kills": kills, "visible": visible, "own": os.getpid()}

@@ -151,9 +151,13 @@ def unprivileged_worker() -> Any:
         )
 
     def run_calls(
-        calls: list[tuple[str, dict[str, Any]]], landlock: bool = True
+        calls: list[tuple[str, dict[str, Any]]],
+        landlock: bool = True,
+        concurrent: bool = False,
     ) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
-        request = json.dumps({"calls": calls, "landlock": landlock})
+        request = json.dumps(
+            {"calls": calls, "landlock": landlock, "concurrent": concurrent}
+        )
         finished = subprocess.run(
             [*python, "-m", "tests.unprivileged_sandbox_worker", request],
             env=unprivileged_env(),
@@ -335,6 +339,28 @@ def test_unprivileged_timeouts_kill_the_call_and_its_orphans_are_reaped(
     assert stalled["status"] == "timeout", stalled
     assert orphans["status"] == "ok" and after["status"] == "ok", (orphans, after)
     assert after["zygote_after"]["zombies"] == 0, after
+
+
+def test_unprivileged_a_call_cannot_signal_or_see_a_sibling_call_or_the_spares(
+    unprivileged_worker: Any,
+) -> None:
+    """Without Landlock's signal scoping, each call's own pid namespace is what keeps a call away
+    from the other calls of its worker process and from the zygote's spare children."""
+    with tempfile.TemporaryDirectory() as shared:
+        os.chmod(shared, 0o777)
+        path = os.path.join(shared, "sibling")
+        _, (sibling, attacker), code = unprivileged_worker(
+            [("wait_for_sibling", {"path": path}), ("kill_sibling", {"path": path})],
+            landlock=False,
+            concurrent=True,
+        )
+    assert code == 0
+    assert attacker["status"] == "ok", attacker
+    kills = attacker["data"]["kills"]
+    assert kills and all(answer in DENIED for answer in kills.values()), attacker
+    assert sibling["status"] == "ok" and sibling["content"] == "finished", sibling
+    # Only the call's own namespace init (pid 1, the reaper of its namespace) besides itself.
+    assert attacker["data"]["visible"] == [1], attacker
 
 
 # -- children left to the zygote ----------------------------------------------------------------

@@ -4,7 +4,7 @@
 tests/sandbox_escape_tools.py through `run_isolated` (zygote on) and prints one JSON line per call:
 the outcome and the state of the zygote afterwards. In arguments, "$zygote" and "$worker" stand
 for those processes' pids. `"landlock": false` runs without the Landlock layer, as on a kernel
-without it (no signal scoping).
+without it (no signal scoping). `"concurrent": true` runs all the calls at once (one thread each).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import resource
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tests import sandbox_escape_tools
@@ -79,7 +80,7 @@ def main(request: dict[str, Any]) -> None:
         json.dumps({"worker": os.getpid(), "uid": os.getuid(), "zygote": first}),
         flush=True,
     )
-    for name, arguments in request["calls"]:
+    def run_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
         spec = getattr(sandbox_escape_tools, name)
         substitutes = {"$zygote": first, "$worker": os.getpid()}
         resolved = {
@@ -99,8 +100,17 @@ def main(request: dict[str, Any]) -> None:
         )
         report["zygote_after"] = zygote_state(first)
         report["zygote_now"] = zygote_pid()
-        print(json.dumps(report), flush=True)
+        return report
 
+    calls = request["calls"]
+    if request.get("concurrent", False):
+        with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+            reports = list(pool.map(lambda call: run_call(*call), calls))
+        for report in reports:
+            print(json.dumps(report), flush=True)
+        return
+    for name, arguments in calls:
+        print(json.dumps(run_call(name, arguments)), flush=True)
 
 if __name__ == "__main__":
     main(json.loads(sys.argv[1]))

@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Literal, NoReturn
 
 from pydantic import BaseModel, ValidationError
 
@@ -83,10 +83,11 @@ class ChildPlan:
     them from this process's environment. `cgroup_join` are the files through which the child
     joins its call's cgroup before anything else (empty: no cgroup layer); `disk_quota` mounts the
     workdir as a tmpfs of the profile's `disk_mb` in a mount namespace of the call's own, where
-    `hidden_paths` (the worker's secret directories) are covered by empty ones. `new_session`
-    False makes the child only a process group leader: enough for the group kill when the forking
+    `hidden_paths` (the worker's secret directories) are covered by empty ones. `process_group`
+    "own" makes the child only a process group leader: enough for the group kill when the forking
     process has no controlling terminal (the zygote), and much cheaper where the kernel creates a
-    scheduler autogroup per session.
+    scheduler autogroup per session; "inherited" keeps the group of the call's pid namespace init,
+    which the worker kills.
     """
 
     spec: ToolSpec
@@ -107,7 +108,7 @@ class ChildPlan:
     import_roots: tuple[ImportRoot, ...] = ()
     required: frozenset[Layer] = field(default_factory=frozenset)
     environment: Mapping[str, str] | None = None
-    new_session: bool = True
+    process_group: Literal["session", "own", "inherited"] = "session"
     cgroup_join: tuple[str, ...] = ()
     disk_quota: bool = False
     hidden_paths: tuple[str, ...] = ()
@@ -124,9 +125,9 @@ def child_main(plan: ChildPlan) -> NoReturn:
     # (and so never copies) the worker's whole heap. The child is short-lived, nothing leaks.
     gc.freeze()
     try:
-        if plan.new_session:
+        if plan.process_group == "session":
             os.setsid()
-        else:
+        elif plan.process_group == "own":
             os.setpgid(0, 0)
         _arrange_fds(plan)
     except BaseException:  # noqa: BLE001 - nothing may unwind into the worker's stack

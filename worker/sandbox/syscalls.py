@@ -24,6 +24,7 @@ MS_NOEXEC = 0x8
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
 CLONE_NEWPID = 0x20000000
+CAP_SYS_ADMIN = 21
 CLONE_NEWUSER = 0x10000000
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
@@ -39,6 +40,8 @@ _libc.prctl.argtypes = [
 _libc.prctl.restype = ctypes.c_int
 _libc.unshare.argtypes = [ctypes.c_int]
 _libc.unshare.restype = ctypes.c_int
+_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+_libc.setns.restype = ctypes.c_int
 _libc.mount.argtypes = [
     ctypes.c_char_p,
     ctypes.c_char_p,
@@ -70,6 +73,12 @@ def unshare(flags: int) -> None:
         _raise_errno("unshare")
 
 
+def setns(fd: int, nstype: int) -> None:
+    """setns(2) (os.setns is Python 3.12+); raises OSError on failure."""
+    if _libc.setns(fd, nstype) != 0:
+        _raise_errno("setns")
+
+
 def mount(
     source: str | None,
     target: str,
@@ -98,10 +107,15 @@ class _CapData(ctypes.Structure):
     ]
 
 
-def drop_capabilities() -> None:
-    """capset(2) to empty effective, permitted and inheritable sets; raises OSError on failure."""
+def drop_capabilities(keep: tuple[int, ...] = ()) -> None:
+    """capset(2): effective and permitted sets reduced to `keep` (capability numbers), empty
+    inheritable set; raises OSError on failure."""
     header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
     data = (_CapData * 2)()
+    for capability in keep:
+        bit = 1 << (capability % 32)
+        data[capability // 32].effective |= bit
+        data[capability // 32].permitted |= bit
     if _libc.capset(ctypes.byref(header), data) != 0:
         _raise_errno("capset")
 

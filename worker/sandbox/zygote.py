@@ -542,6 +542,13 @@ class ZygoteClient:
                 "the zygote and the worker",
                 ready.pid_namespace,
             )
+        if ready.call_pid_namespaces is not None:
+            _log.warning(
+                "sandbox zygote cannot give each call a pid namespace of its own (%s): where "
+                "Landlock cannot scope signals (ABI < 6), calls of this unprivileged worker "
+                "process can signal each other",
+                ready.call_pid_namespaces,
+            )
         for module, error in ready.failed_modules.items():
             _log.warning(
                 "tool module %s cannot be imported in the sandbox zygote (%s); its tools run in "

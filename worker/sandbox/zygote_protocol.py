@@ -55,6 +55,11 @@ class ZygoteReady(BaseModel):
         default=None,
         description="Why the zygote serves without the pid namespace it was asked for, if so.",
     )
+    call_pid_namespaces: str | None = Field(
+        default=None,
+        description="Why the calls of an unprivileged worker's zygote, in its pid namespace, "
+        "cannot each have a pid namespace of their own, if so.",
+    )
     failed_modules: dict[str, str] = Field(
         default_factory=dict, description="Module name -> why it could not be imported."
     )

@@ -19,6 +19,8 @@ could signal the zygote and the worker. Such a zygote serves from a pid namespac
 a user namespace of its own, which mapping only the worker's uid grants nothing): it is that
 namespace's init, which its children cannot kill, and the worker and everything else outside are
 invisible to them. The process the worker started stays outside as a keeper that waits for it.
+There, each spare child is moreover the init of a pid namespace of its own (nested in the
+zygote's), and the call runs in its child: calls cannot see or signal each other or other spares.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 from worker.context import ToolContext
@@ -44,11 +46,13 @@ from worker.sandbox.import_paths import ImportRoot, private_import_roots
 from worker.sandbox.profile import SandboxProfile
 from worker.sandbox.read_paths import code_read_paths
 from worker.sandbox.syscalls import (
+    CAP_SYS_ADMIN,
     CLONE_NEWPID,
     CLONE_NEWUSER,
     PR_SET_PDEATHSIG,
     drop_capabilities,
     prctl,
+    setns,
     unshare,
 )
 from worker.sandbox.zygote_protocol import (
@@ -83,6 +87,8 @@ class _Child:
     pid: int
     pidfd: int
     status: socket.socket
+    call_status: int = -1
+    """Read end on which a call namespace's init reports how the call's process ended."""
 
 
 def serve(sock: socket.socket, raw_init: bytes) -> NoReturn:
@@ -94,6 +100,9 @@ def serve(sock: socket.socket, raw_init: bytes) -> NoReturn:
         os._exit(0)
     namespace_error = _enter_pid_namespace(sock) if init.pid_namespace else None
     in_namespace = init.pid_namespace and namespace_error is None
+    call_namespaces_error = None
+    if in_namespace and os.geteuid() != 0:
+        call_namespaces_error = _in_throwaway_child(lambda: unshare(CLONE_NEWPID))
     failed: dict[str, str] = {}
     for name in init.modules:
         try:
@@ -102,10 +111,17 @@ def serve(sock: socket.socket, raw_init: bytes) -> NoReturn:
             failed[name] = f"{type(exc).__name__}: {exc}"
     # Objects that exist now are never collected: children then do not touch (and copy) them.
     gc.freeze()
-    zygote = _Zygote(sock, in_namespace)
+    zygote = _Zygote(
+        sock,
+        in_namespace,
+        call_namespaces=in_namespace
+        and os.geteuid() != 0
+        and call_namespaces_error is None,
+    )
     ready = ZygoteReady(
         pid=_outer_pid() if in_namespace else os.getpid(),
         pid_namespace=namespace_error,
+        call_pid_namespaces=call_namespaces_error,
         failed_modules=failed,
     )
     sock.send(ready.model_dump_json().encode())
@@ -139,8 +155,9 @@ def _enter_pid_namespace(sock: socket.socket) -> str | None:
         os._exit(0)  # the keeper is gone already: end of file on its pipe
     os.close(keeper_alive)
     if user_namespace:
-        # The creator of a user namespace holds every capability in it; the zygote needs none.
-        drop_capabilities()
+        # The creator of a user namespace holds every capability in it; the zygote keeps only
+        # the one that creates its calls' pid namespaces (its children drop it at once).
+        drop_capabilities(keep=(CAP_SYS_ADMIN,))
     # As init, the zygote receives from inside its namespace only signals it handles: keep none.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     return None
@@ -194,9 +211,21 @@ def _outer_pid() -> int:
 
 
 class _Zygote:
-    def __init__(self, sock: socket.socket, in_namespace: bool = False) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        in_namespace: bool = False,
+        call_namespaces: bool = False,
+    ) -> None:
         self.sock = sock
         self.in_namespace = in_namespace
+        # Each spare forked into a pid namespace of its own; the zygote returns to its own
+        # namespace (for its next children) through this descriptor.
+        self.own_pid_namespace = (
+            os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+            if call_namespaces
+            else -1
+        )
         self.selector = selectors.DefaultSelector()
         self.selector.register(sock, selectors.EVENT_READ, None)
         self.orphans_r = -1
@@ -289,8 +318,13 @@ class _Zygote:
         zygote_pid = os.getpid()
         generation = len(sys.modules)
         numbered_r, numbered_w = os.pipe2(os.O_CLOEXEC)
+        call_status_r, call_status_w = (
+            os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            if self.own_pid_namespace >= 0
+            else (-1, -1)
+        )
         try:
-            pid = os.fork()
+            pid = self._fork()
             if pid == 0:
                 # The worker's ends must not stay open here: the spare waits for end of file on
                 # its call socket when the worker lets it go.
@@ -300,8 +334,28 @@ class _Zygote:
                 if self.in_namespace:
                     os.write(numbered_w, str(_outer_pid()).encode())
                 os.close(numbered_w)
-                _spare_main(call_theirs, self.resolve, read_paths, roots, zygote_pid)
+                nested = call_status_w >= 0
+                if nested:
+                    os.close(call_status_r)
+
+                def spare() -> NoReturn:
+                    # Both the zygote and a call namespace's init are pid 1 of their namespace.
+                    _spare_main(
+                        call_theirs,
+                        self.resolve,
+                        read_paths,
+                        roots,
+                        zygote_pid,
+                        nested,
+                    )
+
+                if nested:
+                    _call_namespace_init(call_theirs, call_status_w, spare)
+                spare()
             call_theirs.close()
+            if call_status_w >= 0:
+                os.close(call_status_w)
+                call_status_w = -1
             os.close(numbered_w)
             numbered_w = -1
             outer = os.read(numbered_r, 32) if self.in_namespace else b""
@@ -312,7 +366,8 @@ class _Zygote:
                 _kill_group(pid)
                 os.waitpid(pid, 0)
                 raise
-            child = _Child(pid, pidfd, status_ours)
+            child = _Child(pid, pidfd, status_ours, call_status_r)
+            call_status_r = -1
             self.children[pid] = child
             self.selector.register(pidfd, selectors.EVENT_READ, child)
             if self.in_namespace and not outer:
@@ -332,8 +387,24 @@ class _Zygote:
             status_theirs.close()
             call_theirs.close()
             os.close(numbered_r)
-            if numbered_w >= 0:
-                os.close(numbered_w)
+            for fd in (numbered_w, call_status_r, call_status_w):
+                if fd >= 0:
+                    os.close(fd)
+
+    def _fork(self) -> int:
+        """fork(), into a new pid namespace (as its init) when calls get namespaces of their own."""
+        if self.own_pid_namespace < 0:
+            return os.fork()
+        unshare(CLONE_NEWPID)
+        try:
+            pid = os.fork()
+        except BaseException:
+            setns(self.own_pid_namespace, CLONE_NEWPID)
+            raise
+        if pid:
+            # The new namespace's init keeps it for the child it forks; the zygote goes back.
+            setns(self.own_pid_namespace, CLONE_NEWPID)
+        return pid
 
     def _finish(self, child: _Child) -> None:
         """A child exited: kill what is left of its group while the zombie still holds the group
@@ -343,6 +414,8 @@ class _Zygote:
         del self.children[child.pid]
         _kill_group(child.pid)
         _, wait_status = os.waitpid(child.pid, 0)
+        if child.call_status >= 0:
+            wait_status = _call_status(child.call_status, wait_status)
         if self.in_namespace:
             self._reap_orphans()
         _send(child.status, ZygoteReply(status=wait_status).model_dump_json().encode())
@@ -375,18 +448,65 @@ class _Zygote:
         os._exit(0)
 
 
+def _call_status(call_status: int, init_status: int) -> int:
+    """How a call's process ended, as its namespace's init reported it before exiting; the
+    init's own wait status if it did not (killed with the call's group: so was the call)."""
+    try:
+        reported = os.read(call_status, 4)
+    except BlockingIOError:
+        reported = b""
+    finally:
+        os.close(call_status)
+    return int.from_bytes(reported, "little") if len(reported) == 4 else init_status
+
+
+def _call_namespace_init(
+    sock: socket.socket, call_status: int, spare: Callable[[], NoReturn]
+) -> NoReturn:
+    """In a spare forked as the init of a pid namespace of its own: fork the process that waits
+    for the call and runs it, reap every process of the namespace until that one ends, report
+    its wait status on `call_status` and exit (the kernel then kills what is left inside).
+
+    The call runs as pid 2, not as init: signals it sends itself, the worker's SIGTERM at the
+    timeout and the kernel's SIGXCPU keep their default effect. This init holds no handler for
+    any signal, so nothing inside the namespace can stop or kill it, and it leaves the process
+    group to the call's process: the worker's group kills reach both.
+    """
+    try:
+        os.setpgid(0, 0)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        drop_capabilities()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        call_pid = os.fork()
+    except BaseException:  # noqa: BLE001 - nothing may unwind into the zygote's loop
+        os._exit(SETUP_FAILED_STATUS)
+    if call_pid == 0:
+        os.close(call_status)
+        spare()
+    sock.close()
+    while True:
+        pid, wait_status = os.wait()
+        if pid == call_pid:
+            os.write(call_status, wait_status.to_bytes(4, "little"))
+            os._exit(0)
+
+
 def _spare_main(
     sock: socket.socket,
     resolve: Callable[[bytes], ToolSpec],
     read_paths: tuple[str, ...],
     roots: tuple[ImportRoot, ...],
     zygote_pid: int,
+    in_call_namespace: bool = False,
 ) -> NoReturn:
     """In a spare child: warm up, wait for the call from the worker, then run it like a direct
-    child. Never returns."""
+    child. Never returns. In a call namespace, its init (`zygote_pid`, 1 as well) is the parent
+    and leads the process group."""
     try:
-        # A group of its own from the start, so that group kills reach it in any state.
-        os.setpgid(0, 0)
+        if not in_call_namespace:
+            # A group of its own from the start, so that group kills reach it in any state.
+            os.setpgid(0, 0)
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != zygote_pid:
             os._exit(0)
@@ -412,6 +532,8 @@ def _spare_main(
             roots,
             zygote_pid,
         )
+        if in_call_namespace:
+            plan = replace(plan, process_group="inherited")
     except BaseException:  # noqa: BLE001 - nothing may unwind into the zygote's loop
         os._exit(SETUP_FAILED_STATUS)
     child_main(plan)
@@ -493,7 +615,7 @@ def _plan(
         disk_quota=payload.disk_quota,
         hidden_paths=payload.hidden_paths,
         # Already a group leader, in the zygote's session, which has no controlling terminal.
-        new_session=False,
+        process_group="own",
     )
 
 
