@@ -101,8 +101,12 @@ def serve(sock: socket.socket, raw_init: bytes) -> NoReturn:
     namespace_error = _enter_pid_namespace(sock) if init.pid_namespace else None
     in_namespace = init.pid_namespace and namespace_error is None
     call_namespaces_error = None
-    if in_namespace and os.geteuid() != 0:
+    unprivileged_namespace = in_namespace and os.geteuid() != 0
+    if unprivileged_namespace:
         call_namespaces_error = _in_throwaway_child(lambda: unshare(CLONE_NEWPID))
+        if call_namespaces_error is not None:
+            # Kept only to create those namespaces: the spares must not inherit it.
+            drop_capabilities()
     failed: dict[str, str] = {}
     for name in init.modules:
         try:
@@ -114,9 +118,7 @@ def serve(sock: socket.socket, raw_init: bytes) -> NoReturn:
     zygote = _Zygote(
         sock,
         in_namespace,
-        call_namespaces=in_namespace
-        and os.geteuid() != 0
-        and call_namespaces_error is None,
+        call_namespaces=unprivileged_namespace and call_namespaces_error is None,
     )
     ready = ZygoteReady(
         pid=_outer_pid() if in_namespace else os.getpid(),
@@ -337,6 +339,7 @@ class _Zygote:
                 nested = call_status_w >= 0
                 if nested:
                     os.close(call_status_r)
+                    os.close(self.own_pid_namespace)
 
                 def spare() -> NoReturn:
                     # Both the zygote and a call namespace's init are pid 1 of their namespace.
