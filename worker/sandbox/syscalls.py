@@ -24,8 +24,8 @@ MS_NOEXEC = 0x8
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
 CLONE_NEWPID = 0x20000000
-CAP_SYS_ADMIN = 21
 CLONE_NEWUSER = 0x10000000
+CAP_SYS_ADMIN = 21
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
