@@ -133,3 +133,10 @@ def forging_unsafe(key: str) -> int:
     )
     os.write(3, b"TCR1" + len(forged).to_bytes(8, "big") + forged)
     raise ConnectionError(f"acted {count} times")
+
+
+@tool(sandbox={"isolate": False}, side_effect="read", timeout=1, max_retries=0)
+def nap_inproc(seconds: float) -> str:
+    """Sleep in the worker process itself (no sandbox): only Celery's soft limit can stop it."""
+    time.sleep(seconds)
+    return "rested"

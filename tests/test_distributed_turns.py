@@ -122,3 +122,13 @@ def test_async_turns_share_one_loop(start_worker, redis_url, broker_url):
 
     turns = asyncio.run(many())
     assert [t.results[0].content for t in turns] == [str(i) for i in range(20)]
+
+
+def test_in_process_tool_stopped_by_the_soft_limit_is_a_timeout(start_worker, redis_url, broker_url):
+    # For a tool that runs in the worker process, Celery's soft time limit is its timeout: wherever
+    # the limit lands (the handler, or toolchord's code around it), the model is told TIMEOUT.
+    start_worker(TOOLS, concurrency=1)
+    orch = orchestrator(redis_url, broker_url)
+    result, = orch.run_calls("s-inproc-timeout", [call(0, "nap_inproc", seconds=20)]).results
+    assert result.error is not None and result.error.code == ErrorCode.TIMEOUT, result
+    assert "1 s" in result.error.message

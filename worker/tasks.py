@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import redis
 from celery import Celery, Task
+from celery.exceptions import SoftTimeLimitExceeded
 from pydantic import ValidationError
 
 from worker import errors
@@ -209,8 +210,19 @@ class CallExecution:
         # Only an in-process handler needs the soft limit to stop it: an isolated one is stopped by
         # its sandbox at the tool's timeout, and the limit would only break the wait for its result.
         soft_limit = soft_limit_live() if not spec.sandbox.isolate else nullcontext()
-        with self.rt.lease_renewer.hold(self.p.key, token), soft_limit:
-            return run_handler(spec, self.p.arguments, self._context(), sandbox_uid=self.rt.settings.sandbox_uid)
+        try:
+            with self.rt.lease_renewer.hold(self.p.key, token), soft_limit:
+                outcome = run_handler(spec, self.p.arguments, self._context(), sandbox_uid=self.rt.settings.sandbox_uid)
+        except SoftTimeLimitExceeded:
+            # It landed in toolchord's code around the handler, not in the handler itself.
+            outcome = HandlerOutcome(status="error", error_type=SoftTimeLimitExceeded.__name__)
+        if outcome.status == "error" and outcome.error_type == SoftTimeLimitExceeded.__name__:
+            # For an in-process tool Celery's soft limit is the tool's own timeout: report it as one.
+            return outcome.model_copy(update={
+                "status": "timeout", "error_type": "TimeoutError",
+                "error_message": f"stopped by Celery's soft time limit at the tool's {spec.timeout:g} s timeout",
+            })
+        return outcome
 
     def _retry_countdown(self, spec: ToolSpec, outcome: HandlerOutcome) -> float | None:
         """Seconds until the next attempt, or None when this outcome is final (DESIGN.md section 4)."""
