@@ -82,7 +82,7 @@ def running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between open and read
         return False
 
 
@@ -106,7 +106,7 @@ def runs_a_call(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/status") as status:
             uid = next(int(line.split()[1]) for line in status if line.startswith("Uid:"))
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
     return uid != os.geteuid() and running(pid)
 
