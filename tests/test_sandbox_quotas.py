@@ -160,7 +160,7 @@ def test_a_grandchild_that_left_the_process_group_dies_with_the_call(monkeypatch
             with open(f"/proc/{pid}/stat") as stat_file:
                 if stat_file.read().rsplit(")", 1)[1].split()[0] == "Z":
                     break  # killed, waiting for its new parent to reap it
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone before the open, or before the read
             break
         time.sleep(0.05)
     else:

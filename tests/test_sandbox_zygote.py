@@ -94,7 +94,7 @@ def wait_gone(pid: int, seconds: float = 3.0) -> bool:
             with open(f"/proc/{pid}/stat") as stat:
                 if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
                     return True
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone before the open, or before the read
             return True
         time.sleep(0.02)
     return False

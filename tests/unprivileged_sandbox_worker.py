@@ -36,7 +36,7 @@ def zombie_children(pid: int, settle_seconds: float = 5.0) -> int:
             try:
                 with open(f"/proc/{child}/stat") as stat:
                     zombies += stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-            except FileNotFoundError:
+            except (FileNotFoundError, ProcessLookupError):  # gone before the open, or before the read
                 continue
         if not zombies or time.monotonic() > deadline:
             return zombies
