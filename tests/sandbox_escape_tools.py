@@ -210,3 +210,49 @@ def kill_sibling(path: str) -> dict[str, object]:
     with open(f"{path}.done", "w"):
         pass
     return {"kills": kills, "visible": visible, "own": os.getpid()}
+
+
+@tool(timeout=10, sandbox=SandboxProfile(disk_mb=8))
+def write_past_quota(megabytes: int) -> dict[str, object]:
+    """Write 1 MB files into the workdir until `megabytes` are written or the disk says no;
+    report how many fit, the error and the layers the call's namespaces gave it."""
+    chunk = b"\x03" * (1024 * 1024)
+    written = 0
+    answer = "ok"
+    for index in range(megabytes):
+        try:
+            with open(f"part-{index}", "wb") as handle:
+                handle.write(chunk)
+        except OSError as exc:
+            answer = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+            break
+        written += 1
+    return {"written": written, "answer": answer}
+
+
+@tool(timeout=5, sandbox=SandboxProfile(filesystem="open"))
+def uncover_secret(path: str) -> dict[str, str]:
+    """Try to read a secret file of the worker: directly, after unmounting what covers its
+    directory, and after a user namespace of its own (where the call would hold capabilities)."""
+    directory = os.path.dirname(path).encode()
+    _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+    def read() -> None:
+        with open(path) as handle:
+            handle.read()
+
+    def unmount() -> None:
+        if _libc.umount2(directory, 2) != 0:  # MNT_DETACH
+            raise OSError(ctypes.get_errno(), "umount2")
+
+    return {
+        "read": _attempt(read),
+        "umount": _attempt(unmount),
+        "read after umount": _attempt(read),
+        "new user namespace": _attempt(_unshare_user),
+    }
+
+
+def _unshare_user() -> None:
+    if _libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER
+        raise OSError(ctypes.get_errno(), "unshare")

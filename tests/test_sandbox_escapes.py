@@ -154,13 +154,14 @@ def unprivileged_worker() -> Any:
         calls: list[tuple[str, dict[str, Any]]],
         landlock: bool = True,
         concurrent: bool = False,
+        env: dict[str, str] | None = None,
     ) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
         request = json.dumps(
             {"calls": calls, "landlock": landlock, "concurrent": concurrent}
         )
         finished = subprocess.run(
             [*python, "-m", "tests.unprivileged_sandbox_worker", request],
-            env=unprivileged_env(),
+            env={**unprivileged_env(), **(env or {})},
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -412,6 +413,50 @@ def test_unprivileged_named_unix_sockets_are_unreachable_with_the_network_off(
     )
     contents = [r["content"] for r in reports]
     assert contents == ["ok"] * len(paths) + ["EPERM"] * len(paths), reports
+
+
+# -- an unprivileged worker's calls own their mount and network namespaces ----------------------
+
+
+@pytest.fixture
+def readable_secret() -> Iterator[str]:
+    """A world-readable secret file in a world-searchable directory, as a `*_FILE` setting names
+    it: file modes alone would let a call of the worker's uid read it."""
+    directory = tempfile.mkdtemp(prefix="toolchord-test-secrets-")
+    os.chmod(directory, 0o755)
+    path = os.path.join(directory, "redis-url")
+    with open(path, "w") as secret:
+        secret.write("redis://toolchord:hunter2@redis:6379/0")
+    os.chmod(path, 0o644)
+    yield path
+    shutil.rmtree(directory)
+
+
+def test_unprivileged_calls_have_a_disk_quota_no_network_and_no_view_of_the_worker_secrets(
+    unprivileged_worker: Any, readable_secret: str, unix_server: str
+) -> None:
+    header, (filled, secret, offline), code = unprivileged_worker(
+        [
+            ("write_past_quota", {"megabytes": 32}),
+            ("uncover_secret", {"path": readable_secret}),
+            ("unix_connect", {"path": unix_server}),
+        ],
+        env={"TOOLCHORD_BROKER_URL_FILE": readable_secret},
+    )
+    if not header["disk"]["available"] and "user namespace:" in header["disk"]["detail"]:
+        pytest.skip(f"this kernel refuses unprivileged user namespaces: {header['disk']['detail']}")
+    assert code == 0 and header["disk"]["available"], header
+    # The workdir is a tmpfs of disk_mb (8): no more than 8 MB fit.
+    assert filled["status"] == "ok" and "disk" in filled["sandbox_layers"], filled
+    assert filled["data"]["answer"] == "ENOSPC" and filled["data"]["written"] <= 8, filled
+    # The secret's directory is covered, and the call cannot take the cover off: it holds no
+    # capability in its namespaces and may not make new ones.
+    assert secret["status"] == "ok", secret
+    assert secret["data"] == {"read": "ENOENT", "umount": "EPERM", "read after umount": "ENOENT",
+                              "new user namespace": "EPERM"}, secret
+    assert "netns" in offline["sandbox_layers"] and offline["content"] == "EPERM", offline
+    with open(readable_secret) as still_there:
+        assert "hunter2" in still_there.read()
 
 
 # -- the worker decides whether a call started ---------------------------------------------------

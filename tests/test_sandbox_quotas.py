@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests import sandbox_tools as tools
-from tests.unprivileged import WORKER_UID, run_unprivileged
+from tests.unprivileged import WORKER_UID, run_unprivileged, user_namespaces_refused
 from worker.execution import HandlerOutcome
 from worker.sandbox import cgroup, probe, run_isolated
 from worker.sandbox.workdir import WORKDIR_ROOT_ENV, sandbox_root, wait_for_removals
@@ -105,6 +105,28 @@ def test_worker_secret_files_are_hidden_even_with_an_open_filesystem(
         assert (outcome.status, outcome.error_type) == ("error", "FileNotFoundError"), outcome
         assert "hunter2" not in (outcome.content or "") + outcome.output
         assert secret.read_text().endswith("@redis:6379/0")
+    finally:
+        shutil.rmtree(directory)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to set up the unprivileged worker")
+def test_unprivileged_worker_calls_have_the_disk_quota_and_no_view_of_its_secrets() -> None:
+    """A worker without privileges (here one that dropped them, so not dumpable) gives its calls
+    the same mount namespace as a root worker, through a user namespace of their own."""
+    if user_namespaces_refused():
+        pytest.skip("this kernel refuses an ordinary user a user namespace")
+    filled = run_unprivileged("fill_workdir", megabytes=64)
+    assert (filled.status, filled.error_type) == ("error", "OSError"), filled
+    assert "No space left on device" in (filled.error_message or "") and "disk" in filled.sandbox_layers
+    directory = Path(tempfile.mkdtemp(prefix="tc-secrets-"))
+    try:
+        directory.chmod(0o755)
+        secret = directory / "redis-url"
+        secret.write_text("redis://toolchord:hunter2@redis:6379/0")
+        secret.chmod(0o644)
+        outcome = run_unprivileged("read_file_open", env={"TOOLCHORD_BROKER_URL_FILE": str(secret)},
+                                   path=str(secret))
+        assert (outcome.status, outcome.error_type) == ("error", "FileNotFoundError"), outcome
     finally:
         shutil.rmtree(directory)
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests import sandbox_tools as tools
-from tests.unprivileged import WORKER_UID, run_unprivileged
+from tests.unprivileged import WORKER_UID, run_unprivileged, user_namespaces_refused
 from worker.execution import HandlerOutcome
 from worker.sandbox import run_isolated
 from worker.sandbox.workdir import WORKDIR_ROOT_ENV, SandboxRootError, sandbox_root, wait_for_removals
@@ -91,8 +91,10 @@ def test_handler_replacing_its_workdir_leaves_the_root_alone(host_tmp: Path, out
 
 @ROOT_ONLY
 def test_unprivileged_worker_whose_handler_swaps_its_workdir(host_tmp: Path, outside: Path) -> None:
-    replaced = run_unprivileged("replace_own_workdir")
-    swapped = run_unprivileged("swap_workdir_for_symlink", target=str(outside))
+    # Without the disk layer (a kernel that refuses user namespaces) the workdir is a plain
+    # directory of the worker's own uid, not a mount point the handler cannot remove.
+    replaced = run_unprivileged("replace_own_workdir", without=("disk",))
+    swapped = run_unprivileged("swap_workdir_for_symlink", without=("disk",), target=str(outside))
     # The handler runs as the worker's own uid: it may replace its workdir, never more.
     assert (replaced.status, replaced.content) == ("ok", "replaced"), replaced
     assert (swapped.status, swapped.content) == ("ok", "swapped"), swapped
@@ -101,6 +103,19 @@ def test_unprivileged_worker_whose_handler_swaps_its_workdir(host_tmp: Path, out
     assert stat.S_IMODE(root.stat().st_mode) == 0o711 and list(root.iterdir()) == []
     later = run_unprivileged("where_am_i")
     assert later.status == "ok", later
+
+
+@ROOT_ONLY
+def test_unprivileged_worker_with_the_disk_layer_keeps_its_workdir(host_tmp: Path, outside: Path) -> None:
+    if user_namespaces_refused():
+        pytest.skip("this kernel refuses an ordinary user a user namespace")
+    for outcome in (run_unprivileged("replace_own_workdir"),
+                    run_unprivileged("swap_workdir_for_symlink", target=str(outside))):
+        # The workdir is the mount point of the call's tmpfs: it cannot be removed or replaced.
+        assert (outcome.status, outcome.error_type) == ("error", "OSError"), outcome
+        assert "Device or resource busy" in (outcome.error_message or ""), outcome
+    assert_untouched(host_tmp, outside)
+    assert list((host_tmp / f"toolchord-sandbox-{WORKER_UID}").iterdir()) == []
 
 
 @ROOT_ONLY

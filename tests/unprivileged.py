@@ -19,9 +19,10 @@ WORKER_UID = 60_000 + os.getpid() % 5_000
 
 
 def run_unprivileged(name: str, env: dict[str, str] | None = None, cgroups: tuple[str, ...] = (),
-                     **arguments: Any) -> HandlerOutcome:
+                     without: tuple[str, ...] = (), **arguments: Any) -> HandlerOutcome:
     """Run sandbox tool `name` through run_isolated in a forked worker process running as WORKER_UID,
-    placed first in `cgroups` (directories delegated to that uid) when given."""
+    placed first in `cgroups` (directories delegated to that uid) when given, with the layers named
+    in `without` off as on a host that lacks them."""
     from worker.sandbox import capabilities, runner, workdir, zygote
 
     read_fd, write_fd = os.pipe()
@@ -37,10 +38,17 @@ def run_unprivileged(name: str, env: dict[str, str] | None = None, cgroups: tupl
             os.setuid(WORKER_UID)
             os.environ.update(env or {})
             capabilities._cached = None
+            if without:
+                probed = capabilities.probe()
+                capabilities._cached = probed.model_copy(update={
+                    layer: getattr(probed, layer).model_copy(update={"available": False, "detail": "off for this test"})
+                    for layer in without
+                })
             zygote.set_zygote_enabled(False)
             workdir._root = None
             spec = getattr(tools, name)
             outcome = runner.run_isolated(spec, spec.args_model(**arguments), tools.make_context(name))
+            workdir.wait_for_removals()  # os._exit below skips the atexit hook that waits
             body = outcome.model_dump_json().encode()
         except BaseException as exc:  # noqa: BLE001 - reported to the test as a value
             body = HandlerOutcome(status="error", error_type="WorkerRaised",
@@ -56,3 +64,22 @@ def run_unprivileged(name: str, env: dict[str, str] | None = None, cgroups: tupl
     os.close(read_fd)
     os.waitpid(pid, 0)
     return HandlerOutcome.model_validate_json(b"".join(chunks))
+
+
+def user_namespaces_refused() -> bool:
+    """Whether this kernel refuses WORKER_UID a user namespace (sysctls, AppArmor, a container's
+    seccomp profile): then an unprivileged worker has no `disk` or `netns` layer."""
+    from worker.sandbox.syscalls import CLONE_NEWUSER, unshare
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(WORKER_UID)
+            os.setuid(WORKER_UID)
+            unshare(CLONE_NEWUSER)
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0

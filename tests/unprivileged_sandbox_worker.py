@@ -5,6 +5,7 @@ tests/sandbox_escape_tools.py through `run_isolated` (zygote on) and prints one 
 the outcome and the state of the zygote afterwards. In arguments, "$zygote" and "$worker" stand
 for those processes' pids. `"landlock": false` runs without the Landlock layer, as on a kernel
 without it (no signal scoping). `"concurrent": true` runs all the calls at once (one thread each).
+The header line also says whether the `disk` layer is available to this worker.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def main(request: dict[str, Any]) -> None:
     set_zygote_enabled(True)
     first = start_zygote([sandbox_escape_tools.__name__])
     print(
-        json.dumps({"worker": os.getpid(), "uid": os.getuid(), "zygote": first}),
+        json.dumps({"worker": os.getpid(), "uid": os.getuid(), "zygote": first,
+                    "disk": capabilities.probe().disk.model_dump()}),
         flush=True,
     )
     def run_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:

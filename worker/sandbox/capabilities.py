@@ -23,9 +23,11 @@ from worker.sandbox.profile import Layer, SandboxProfile
 from worker.sandbox.syscalls import (
     CLONE_NEWNET,
     PR_SET_NO_NEW_PRIVS,
+    drop_capabilities,
     load_seccomp_bpf,
     prctl,
     unshare,
+    unshare_keeping_ids,
 )
 
 LAYERS: tuple[Layer, ...] = (
@@ -245,15 +247,23 @@ def _try_in_child(
                 except OSError as exc:
                     report["cgroup_error"] = str(exc)
             try:
-                disk.mount_workdir(mount_point, 1)
-                report["disk"] = True
+                # As a call's child does: an unprivileged one owns a user namespace first.
+                if os.geteuid() != 0:
+                    unshare_keeping_ids(0)
+                try:
+                    disk.mount_workdir(mount_point, 1)
+                    report["disk"] = True
+                except OSError as exc:
+                    report["disk_error"] = str(exc)
+                try:
+                    unshare(CLONE_NEWNET)
+                    report["netns"] = True
+                except OSError as exc:
+                    report["netns_error"] = str(exc)
+                if os.geteuid() != 0:
+                    drop_capabilities()
             except OSError as exc:
-                report["disk_error"] = str(exc)
-            try:
-                unshare(CLONE_NEWNET)
-                report["netns"] = True
-            except OSError as exc:
-                report["netns_error"] = str(exc)
+                report["disk_error"] = report["netns_error"] = f"user namespace: {exc}"
             try:
                 prctl(PR_SET_NO_NEW_PRIVS, 1)
             except OSError as exc:

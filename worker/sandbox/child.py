@@ -31,9 +31,11 @@ from worker.sandbox.syscalls import (
     CLONE_NEWNET,
     PR_SET_NO_NEW_PRIVS,
     PR_SET_PDEATHSIG,
+    drop_capabilities,
     load_seccomp_bpf,
     prctl,
     unshare,
+    unshare_keeping_ids,
 )
 from worker.tools import ToolSpec
 
@@ -270,6 +272,42 @@ def _drop_privileges(plan: ChildPlan) -> None:
     os.setuid(uid)
 
 
+def _apply_namespaces(plan: ChildPlan, applied: list[Layer], failures: dict[Layer, str]) -> None:
+    """The `disk` and `netns` layers: a mount namespace with the workdir quota and the secrets
+    hidden, a network namespace without network.
+
+    A root worker's child creates them with its own privilege. An unprivileged worker's child
+    first becomes the owner of a user namespace that maps only its own ids, which lets it create
+    them and grants nothing outside them, and then gives up the capabilities it holds there: with
+    them the call could unmount the tmpfs that covers the secrets.
+    """
+    layers: tuple[tuple[Layer, bool], ...] = (("disk", plan.disk_quota), ("netns", plan.netns))
+    wanted = [layer for layer, on in layers if on]
+    if not wanted:
+        return
+    unprivileged = os.geteuid() != 0
+    if unprivileged:
+        try:
+            unshare_keeping_ids(0)
+        except OSError as exc:
+            failures.update((layer, f"user namespace: {exc}") for layer in wanted)
+            return
+    if plan.disk_quota:
+        try:
+            disk.mount_workdir(plan.workdir, plan.profile.disk_mb, plan.hidden_paths)
+            applied.append("disk")
+        except OSError as exc:
+            failures["disk"] = str(exc)
+    if plan.netns:
+        try:
+            unshare(CLONE_NEWNET)
+            applied.append("netns")
+        except OSError as exc:
+            failures["netns"] = str(exc)
+    if unprivileged:
+        drop_capabilities()  # raises rather than let the call run with them
+
+
 def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
     profile = plan.profile
     applied: list[Layer] = []
@@ -282,18 +320,7 @@ def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
         except OSError as exc:
             failures["cgroup"] = str(exc)
     _reset_process_state()
-    if plan.disk_quota:
-        try:
-            disk.mount_workdir(plan.workdir, profile.disk_mb, plan.hidden_paths)
-            applied.append("disk")
-        except OSError as exc:
-            failures["disk"] = str(exc)
-    if plan.netns:
-        try:
-            unshare(CLONE_NEWNET)
-            applied.append("netns")
-        except OSError as exc:
-            failures["netns"] = str(exc)
+    _apply_namespaces(plan, applied, failures)
     os.chdir(plan.workdir)
     _scrub_environment(plan)
     if plan.drop_uid:

@@ -12,6 +12,8 @@ import os
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
+PR_GET_DUMPABLE = 3
+PR_SET_DUMPABLE = 4
 PR_SET_SECCOMP = 22
 PR_SET_NO_NEW_PRIVS = 38
 SECCOMP_MODE_FILTER = 2
@@ -71,6 +73,25 @@ def unshare(flags: int) -> None:
     """unshare(2); raises OSError on failure."""
     if _libc.unshare(flags) != 0:
         _raise_errno("unshare")
+
+
+def unshare_keeping_ids(flags: int) -> None:
+    """unshare(2) with CLONE_NEWUSER added, the new user namespace mapping only the caller's own
+    uid and gid to themselves: it grants nothing outside the namespaces it owns."""
+    uid, gid = os.getuid(), os.getgid()
+    unshare(flags | CLONE_NEWUSER)
+    # A process that is not dumpable (after a uid change, or a worker hiding its memory) cannot
+    # write its own maps: /proc/self is then root's. Dumpable only for these three writes.
+    dumpable = prctl(PR_GET_DUMPABLE)
+    if not dumpable:
+        prctl(PR_SET_DUMPABLE, 1)
+    try:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as control:
+                control.write(text)
+    finally:
+        if not dumpable:
+            prctl(PR_SET_DUMPABLE, 0)
 
 
 def setns(fd: int, nstype: int) -> None:

@@ -48,12 +48,12 @@ from worker.sandbox.read_paths import code_read_paths
 from worker.sandbox.syscalls import (
     CAP_SYS_ADMIN,
     CLONE_NEWPID,
-    CLONE_NEWUSER,
     PR_SET_PDEATHSIG,
     drop_capabilities,
     prctl,
     setns,
     unshare,
+    unshare_keeping_ids,
 )
 from worker.sandbox.zygote_protocol import (
     CALL_FD_COUNT,
@@ -167,17 +167,11 @@ def _enter_pid_namespace(sock: socket.socket) -> str | None:
 
 def _unshare_pid_namespace(user_namespace: bool) -> None:
     """New pid namespace for the next child, inside a new user namespace when not root."""
-    uid, gid = os.getuid(), os.getgid()
-    unshare(CLONE_NEWPID | (CLONE_NEWUSER if user_namespace else 0))
     if user_namespace:
         # Only the worker's own ids: the namespace grants nothing the worker did not have.
-        for name, text in (
-            ("setgroups", "deny"),
-            ("uid_map", f"{uid} {uid} 1"),
-            ("gid_map", f"{gid} {gid} 1"),
-        ):
-            with open(f"/proc/self/{name}", "w") as control:
-                control.write(text)
+        unshare_keeping_ids(CLONE_NEWPID)
+    else:
+        unshare(CLONE_NEWPID)
 
 
 def _in_throwaway_child(action: Callable[[], None]) -> str | None:
