@@ -7,6 +7,7 @@ the session's event log first, so a crashed conversation resumes from the log al
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, Self
@@ -199,41 +200,7 @@ class Agent:
                 return done
         return AgentResult(session_id=recorder.session_id, text="", stop_reason="max_steps", steps=steps)
 
-    def run(self, prompt: str, *, session_id: str | None = None) -> AgentResult:
-        """Run the conversation to a final answer (or `max_steps` model calls), blocking.
-
-        Ends early with `stop_reason="waiting_approval"` when a call waits for a person's decision;
-        raises `SessionWaiting` when `session_id` still has such calls (use `resume`).
-        """
-        return self._loop(self._begin(prompt, session_id))
-
-    def resume(self, session_id: str) -> AgentResult:
-        """Continue a session whose calls waited for a decision, from its event log (any process).
-
-        The decided calls' results (approved calls are waited for) are appended to the log, and
-        the next request is rebuilt from it: byte for byte what an uninterrupted run would have
-        sent. Still undecided calls give `waiting_approval` again, and nothing is appended.
-        """
-        recorder = SessionRecorder(self.log, session_id, self.registry)
-        events = self.log.read(session_id)
-        logged = {e.call_id for e in events if isinstance(e, ApprovalDecided)}
-        for turn_id, held in turns_awaiting(events, self.orchestrator.approvals.store, session_id).items():
-            settlement = self.orchestrator.approvals.settle(session_id, turn_id)
-            if settlement.waiting:
-                return AgentResult(session_id=session_id, text="", stop_reason="waiting_approval", steps=[],
-                                   awaiting_approval=settlement.waiting)
-            # Only what the log lacks: a resume that crashed half way is simply resumed again.
-            for approval in settlement.decided:
-                if approval.call.id not in logged:
-                    recorder.append(decided_event(approval))
-            for result in settlement.results:
-                if result.call_id in held:
-                    recorder.result(turn_id, result)
-        return self._loop(recorder)
-
-    async def arun(self, prompt: str, *, session_id: str | None = None) -> AgentResult:
-        """asyncio twin of `run`: the model call and the turn are awaited, not blocked on."""
-        recorder = self._begin(prompt, session_id)
+    async def _aloop(self, recorder: SessionRecorder) -> AgentResult:
         steps: list[AgentStep] = []
         for step in range(1, self.max_steps + 1):
             request = self._request(recorder, step)
@@ -250,6 +217,54 @@ class Agent:
             if (done := self._stop(recorder, steps, turn)) is not None:
                 return done
         return AgentResult(session_id=recorder.session_id, text="", stop_reason="max_steps", steps=steps)
+
+    def _settle(self, session_id: str) -> AgentResult | SessionRecorder:
+        """Append the decided calls' results to the log (approved calls are waited for); the
+        recorder to continue with, or the `waiting_approval` result while some are undecided."""
+        recorder = SessionRecorder(self.log, session_id, self.registry)
+        events = self.log.read(session_id)
+        logged = {e.call_id for e in events if isinstance(e, ApprovalDecided)}
+        for turn_id, held in turns_awaiting(events, self.orchestrator.approvals.store, session_id).items():
+            settlement = self.orchestrator.approvals.settle(session_id, turn_id)
+            if settlement.waiting:
+                return AgentResult(session_id=session_id, text="", stop_reason="waiting_approval", steps=[],
+                                   awaiting_approval=settlement.waiting)
+            # Only what the log lacks: a resume that crashed half way is simply resumed again.
+            for approval in settlement.decided:
+                if approval.call.id not in logged:
+                    recorder.append(decided_event(approval))
+            for result in settlement.results:
+                if result.call_id in held:
+                    recorder.result(turn_id, result)
+        return recorder
+
+    def run(self, prompt: str, *, session_id: str | None = None) -> AgentResult:
+        """Run the conversation to a final answer (or `max_steps` model calls), blocking.
+
+        Ends early with `stop_reason="waiting_approval"` when a call waits for a person's decision;
+        raises `SessionWaiting` when `session_id` still has such calls (use `resume`).
+        """
+        return self._loop(self._begin(prompt, session_id))
+
+    def resume(self, session_id: str) -> AgentResult:
+        """Continue a session whose calls waited for a decision, from its event log (any process).
+
+        The decided calls' results (approved calls are waited for) are appended to the log, and
+        the next request is rebuilt from it: byte for byte what an uninterrupted run would have
+        sent. Still undecided calls give `waiting_approval` again, and nothing is appended.
+        """
+        settled = self._settle(session_id)
+        return settled if isinstance(settled, AgentResult) else self._loop(settled)
+
+    async def arun(self, prompt: str, *, session_id: str | None = None) -> AgentResult:
+        """asyncio twin of `run`: the model call and the turn are awaited, not blocked on."""
+        return await self._aloop(self._begin(prompt, session_id))
+
+    async def aresume(self, session_id: str) -> AgentResult:
+        """asyncio twin of `resume`: waiting for the approved calls' results happens in a worker
+        thread (the event loop keeps running), the model calls and turns after it are awaited."""
+        settled = await asyncio.to_thread(self._settle, session_id)
+        return settled if isinstance(settled, AgentResult) else await self._aloop(settled)
 
     def close(self) -> None:
         """Release the model client and, when the agent built it, the orchestrator."""

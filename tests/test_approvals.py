@@ -121,6 +121,29 @@ def test_held_call_waits_then_resumes_with_the_request_an_uninterrupted_run_send
     assert [(e.decision, e.by, e.note) for e in decided] == [("approved", "alice", "ok")]
 
 
+def test_an_async_agent_resumes_once_the_held_call_is_approved(
+        tmp_path: Path, orchestrators: dict[str, Orchestrator]) -> None:
+    log = JsonlEventLog(tmp_path)
+    orch = orchestrators["held"]
+    REFUNDS.clear()
+
+    async def conversation(agent: Agent) -> tuple[AgentResult, AgentResult, AgentResult]:
+        paused = await agent.arun("refund", session_id="async")
+        undecided = await agent.aresume("async")
+        orch.approve("async", paused.awaiting_approval[0].call.id, by="alice")
+        return paused, undecided, await agent.aresume("async")
+
+    with ScriptedModelServer(SCRIPT) as server:
+        paused, undecided, done = asyncio.run(conversation(_agent(HELD, orch, server, log)))
+        assert len(server.requests) == 2
+    assert (paused.stop_reason, undecided.stop_reason) == ("waiting_approval", "waiting_approval")
+    assert [a.call.id for a in undecided.awaiting_approval] == [a.call.id for a in paused.awaiting_approval]
+    assert done.stop_reason == "final" and done.text == "Done." and REFUNDS == ["small", "big"]
+    with ScriptedModelServer(SCRIPT) as server:
+        _agent(FREE, orchestrators["free"], server, JsonlEventLog(tmp_path / "free")).run("refund", session_id="async")
+    assert _digests(log, "async") == _digests(JsonlEventLog(tmp_path / "free"), "async")
+
+
 def test_deny_gives_the_model_the_reason_and_replay_shows_the_decisions(
         tmp_path: Path, orchestrators: dict[str, Orchestrator]) -> None:
     log = JsonlEventLog(tmp_path)
