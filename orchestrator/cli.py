@@ -24,7 +24,9 @@ _BENCHES = ("turns", "sandbox", "load")
 
 def _registry(modules: str | None) -> Registry:
     """Tools from --tools, else TOOLCHORD_TOOL_MODULES, else the demo tools."""
-    names = modules or os.environ.get("TOOLCHORD_TOOL_MODULES") or "worker.demo_tools"
+    from worker.launch import DEMO_TOOL_MODULES
+
+    names = modules or os.environ.get("TOOLCHORD_TOOL_MODULES") or DEMO_TOOL_MODULES
     return Registry.from_modules([m.strip() for m in names.split(",") if m.strip()])
 
 

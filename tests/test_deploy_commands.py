@@ -18,7 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
+
+from worker.launch import worker_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -186,3 +189,15 @@ def test_flower_refuses_a_public_address_without_auth() -> None:
     )
     assert done.returncode != 0
     assert "auth" in (done.stderr + done.stdout).lower()
+
+
+def test_a_worker_given_no_tools_serves_the_demo_tools_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """`toolchord worker` has the default of every other command, so `toolchord demo` on a cluster
+    finds its tools (the worker used to start with none and answer every call UNKNOWN_TOOL)."""
+    broker = {"TOOLCHORD_BROKER_URL": "redis://x:1/0"}
+    args, env = worker_command([], env={**broker, "TOOLCHORD_TOOL_MODULES": " "})
+    assert env["TOOLCHORD_TOOL_MODULES"] == "worker.demo_tools"
+    assert "serving the demo tools" in capsys.readouterr().err
+    assert args[args.index("--queues") + 1] == "toolchord"
+    _, env = worker_command(["--tools", "tests.celery_tools"], env=broker)
+    assert env["TOOLCHORD_TOOL_MODULES"] == "tests.celery_tools" and capsys.readouterr().err == ""

@@ -19,6 +19,10 @@ from worker.config import ConfigError, Settings
 APP = "worker.celery_app:app"
 
 
+DEMO_TOOL_MODULES = "worker.demo_tools"
+"""The tools every command serves when neither --tools nor TOOLCHORD_TOOL_MODULES names any."""
+
+
 def _exec_celery(args: list[str], env: dict[str, str]) -> None:
     command = [sys.executable, "-m", "celery", "-A", APP, *args]
     os.execvpe(sys.executable, command, env)
@@ -27,7 +31,7 @@ def _exec_celery(args: list[str], env: dict[str, str]) -> None:
 def worker_command(argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The `celery worker` arguments and environment for `toolchord worker` (exposed for tests)."""
     parser = argparse.ArgumentParser(prog="toolchord worker", description="Start a toolchord Celery worker.")
-    parser.add_argument("--tools", help="comma-separated tool modules (default: $TOOLCHORD_TOOL_MODULES)")
+    parser.add_argument("--tools", help="comma-separated tool modules (default: $TOOLCHORD_TOOL_MODULES, else the demo tools)")
     parser.add_argument("-Q", "--queues", help="queues to consume (default: every queue the tools use)")
     parser.add_argument("-c", "--concurrency", type=int, help="pool processes (default: CPU count)")
     parser.add_argument("-n", "--hostname", help="worker node name")
@@ -38,6 +42,12 @@ def worker_command(argv: Sequence[str] | None = None, env: dict[str, str] | None
     env = dict(os.environ if env is None else env)
     if known.tools:
         env["TOOLCHORD_TOOL_MODULES"] = known.tools
+    elif not env.get("TOOLCHORD_TOOL_MODULES", "").strip():
+        # The default of every other command: a worker serves the tools `toolchord demo` and
+        # `toolchord run` send, instead of none (every call would come back UNKNOWN_TOOL).
+        env["TOOLCHORD_TOOL_MODULES"] = DEMO_TOOL_MODULES
+        print(f"toolchord worker: no --tools and no TOOLCHORD_TOOL_MODULES: serving the demo tools ({DEMO_TOOL_MODULES})",
+              file=sys.stderr)
     if known.metrics_port is not None:
         _metrics_env(env, known.metrics_port, known.metrics_address)
     settings = Settings.from_env(env)
