@@ -7,6 +7,9 @@ wrapped as fixtures that fail with a clear message when something cannot start.
 from __future__ import annotations
 
 import gc
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -116,6 +119,20 @@ def start_worker(redis_url: str, broker_url: str, clean_redis: redis.Redis,
     yield start
     for worker in started:
         worker.stop()
+
+
+@pytest.fixture
+def readable_secret() -> Iterator[str]:
+    """A world-readable secret file in a world-searchable directory, as a `*_FILE` setting names
+    it: file modes alone would let any sandboxed call read it."""
+    directory = tempfile.mkdtemp(prefix="toolchord-test-secrets-")
+    os.chmod(directory, 0o755)
+    path = os.path.join(directory, "redis-url")
+    with open(path, "w") as secret:
+        secret.write("redis://toolchord:hunter2@redis:6379/0")
+    os.chmod(path, 0o644)
+    yield path
+    shutil.rmtree(directory)
 
 
 FAULT_ROW = "fault_summary_row"

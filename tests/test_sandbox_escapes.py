@@ -418,20 +418,6 @@ def test_unprivileged_named_unix_sockets_are_unreachable_with_the_network_off(
 # -- an unprivileged worker's calls own their mount and network namespaces ----------------------
 
 
-@pytest.fixture
-def readable_secret() -> Iterator[str]:
-    """A world-readable secret file in a world-searchable directory, as a `*_FILE` setting names
-    it: file modes alone would let a call of the worker's uid read it."""
-    directory = tempfile.mkdtemp(prefix="toolchord-test-secrets-")
-    os.chmod(directory, 0o755)
-    path = os.path.join(directory, "redis-url")
-    with open(path, "w") as secret:
-        secret.write("redis://toolchord:hunter2@redis:6379/0")
-    os.chmod(path, 0o644)
-    yield path
-    shutil.rmtree(directory)
-
-
 def test_unprivileged_calls_have_a_disk_quota_no_network_and_no_view_of_the_worker_secrets(
     unprivileged_worker: Any, readable_secret: str, unix_server: str
 ) -> None:

@@ -90,27 +90,18 @@ def check_disk_quota() -> None:
 
 @pytest.mark.skipif("disk" not in probe().available(), reason="needs the disk layer")
 def test_worker_secret_files_are_hidden_even_with_an_open_filesystem(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    readable_secret: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A world-readable secret in a world-searchable directory, named by a *_FILE setting as the
-    # deployments do: DAC alone would let the call's uid read it.
-    directory = Path(tempfile.mkdtemp(prefix="tc-secrets-"))
-    try:
-        directory.chmod(0o755)
-        secret = directory / "redis-url"
-        secret.write_text("redis://toolchord:hunter2@redis:6379/0")
-        secret.chmod(0o644)
-        monkeypatch.setenv("TOOLCHORD_BROKER_URL_FILE", str(secret))
-        outcome = run(tools.read_file_open, path=str(secret))
-        assert (outcome.status, outcome.error_type) == ("error", "FileNotFoundError"), outcome
-        assert "hunter2" not in (outcome.content or "") + outcome.output
-        assert secret.read_text().endswith("@redis:6379/0")
-    finally:
-        shutil.rmtree(directory)
+    # Named by a *_FILE setting as the deployments do: DAC alone would let the call's uid read it.
+    monkeypatch.setenv("TOOLCHORD_BROKER_URL_FILE", readable_secret)
+    outcome = run(tools.read_file_open, path=readable_secret)
+    assert (outcome.status, outcome.error_type) == ("error", "FileNotFoundError"), outcome
+    assert "hunter2" not in (outcome.content or "") + outcome.output
+    assert Path(readable_secret).read_text().endswith("@redis:6379/0")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to set up the unprivileged worker")
-def test_unprivileged_worker_calls_have_the_disk_quota_and_no_view_of_its_secrets() -> None:
+def test_unprivileged_worker_calls_have_the_disk_quota_and_no_view_of_its_secrets(readable_secret: str) -> None:
     """A worker without privileges (here one that dropped them, so not dumpable) gives its calls
     the same mount namespace as a root worker, through a user namespace of their own."""
     if user_namespaces_refused():
@@ -118,17 +109,9 @@ def test_unprivileged_worker_calls_have_the_disk_quota_and_no_view_of_its_secret
     filled = run_unprivileged("fill_workdir", megabytes=64)
     assert (filled.status, filled.error_type) == ("error", "OSError"), filled
     assert "No space left on device" in (filled.error_message or "") and "disk" in filled.sandbox_layers
-    directory = Path(tempfile.mkdtemp(prefix="tc-secrets-"))
-    try:
-        directory.chmod(0o755)
-        secret = directory / "redis-url"
-        secret.write_text("redis://toolchord:hunter2@redis:6379/0")
-        secret.chmod(0o644)
-        outcome = run_unprivileged("read_file_open", env={"TOOLCHORD_BROKER_URL_FILE": str(secret)},
-                                   path=str(secret))
-        assert (outcome.status, outcome.error_type) == ("error", "FileNotFoundError"), outcome
-    finally:
-        shutil.rmtree(directory)
+    outcome = run_unprivileged("read_file_open", env={"TOOLCHORD_BROKER_URL_FILE": readable_secret},
+                               path=readable_secret)
+    assert (outcome.status, outcome.error_type) == ("error", "FileNotFoundError"), outcome
 
 
 @pytest.fixture
