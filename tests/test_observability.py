@@ -212,7 +212,8 @@ from worker.observability.tracing import enabled
 assert not enabled() and metrics() is None
 orch = Orchestrator(registry, settings=Settings())
 turn = orch.run_calls("s-plain", [ToolCall(id="c1", name="lookup_order", arguments_raw='{"order_id": "A-1001"}')])
-print(turn.results[0].status)
+result = turn.results[0]
+print(result.status if result.error is None else f"{result.error.code.value}: {result.error.message}")
 """
 
 
@@ -226,4 +227,4 @@ def test_without_the_extras_every_hook_is_a_no_op(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", _WITHOUT_EXTRAS], check=False, cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "ok"
+    assert done.stdout.strip().splitlines()[-1] == "ok", done.stdout[-3000:] + done.stderr[-3000:]

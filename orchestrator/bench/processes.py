@@ -170,7 +170,8 @@ class WorkerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30.0) -> None:
-        """Start the worker and wait for its ` ready.` log line."""
+        """Start the worker and wait for its ` ready.` log line; a worker that does not get there
+        (or whose wait fails) is killed again, never left running."""
         with self.log.open("ab") as handle:
             # `toolchord worker` execs `celery worker --pool prefork --task-events` on toolchord's app.
             self.proc = subprocess.Popen(
@@ -179,27 +180,37 @@ class WorkerProcess:
                  "--without-mingle", "--without-gossip"],
                 env=self.env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
             )
+        try:
+            self._wait_until_ready(timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _wait_until_ready(self, timeout: float) -> None:
+        assert self.proc is not None
         # Celery logs " ready." at INFO; above that level, ask the worker itself with a control ping.
         pinger = Celery("toolchord-ping", broker=self.env["TOOLCHORD_BROKER_URL"], set_as_current=False)
+        with pinger.connection_for_write() as connection:
+            # Whatever the transport raises when the broker drops or refuses a connection (a broker
+            # restarting, py-amqp's bare socket errors): not an answer yet, ask again.
+            broker_errors = (OperationalError, redis.RedisError, *connection.connection_errors, *connection.channel_errors)
         node = f"{self.name}@{socket.gethostname()}"
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise ProcessStartError(f"worker {self.name} exited early:\n{self._log_tail()}")
-                if b" ready." in self.log.read_bytes() or self._answers_ping(pinger, node):
+                if b" ready." in self.log.read_bytes() or self._answers_ping(pinger, node, broker_errors):
                     return
         finally:
             pinger.close()
-        self.kill()
         raise ProcessStartError(f"worker {self.name} not ready in {timeout}s:\n{self._log_tail()}")
 
     @staticmethod
-    def _answers_ping(pinger: Celery, node: str) -> bool:
+    def _answers_ping(pinger: Celery, node: str, broker_errors: tuple[type[BaseException], ...]) -> bool:
         try:
             return bool(pinger.control.ping(destination=[node], timeout=0.2))
-        except (OperationalError, redis.RedisError):
-            # The broker connection dropped (Redis restarted by a test, say): ask again next round.
+        except broker_errors:
             return False
 
     def _log_tail(self) -> str:
