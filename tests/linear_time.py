@@ -1,13 +1,16 @@
 """Checking that a function's cost grows linearly with its input, on a loaded machine.
 
 Measurements are the CPU time of the calling thread: a busy machine does not inflate it, and
-threads that earlier tests left running are not counted. A call that runs far too long (a
+threads that earlier tests left running are not counted. The cyclic garbage collector is off during
+a measurement: a full collection walks every object the test process holds (hundreds of earlier
+tests' worth), so whether one lands inside the call measures the process, not the function. A call that runs far too long (a
 quadratic version on megabytes of input runs for hours) is interrupted by a timer signal, which
 fails the test instead of hanging it: the regex engine and the interpreter both check signals.
 """
 
 from __future__ import annotations
 
+import gc
 import signal
 import time
 from collections.abc import Callable
@@ -35,6 +38,8 @@ def cpu_seconds(fn: Callable[[Any], object], arg: Any, timeout: float = _WALL_TI
         raise _TooSlow
 
     previous = signal.signal(signal.SIGALRM, give_up)
+    gc.collect()
+    gc.disable()
     signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
         start = time.thread_time()
@@ -44,6 +49,7 @@ def cpu_seconds(fn: Callable[[Any], object], arg: Any, timeout: float = _WALL_TI
         pytest.fail(f"{getattr(fn, '__name__', fn)} ran for more than {timeout:g} s: not linear", pytrace=False)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        gc.enable()
         signal.signal(signal.SIGALRM, previous)
 
 
