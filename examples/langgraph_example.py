@@ -26,9 +26,9 @@ from langgraph.graph.message import add_messages
 from langgraph.prebuilt import tools_condition
 from openai import OpenAI
 
-from orchestrator.integrations.langgraph import ToolchordToolNode
-from orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, ScriptedTurn
-from worker import Registry, tool
+from toolchord import Registry, tool
+from toolchord.orchestrator.integrations.langgraph import ToolchordToolNode
+from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
 
 
 @tool(side_effect="read", timeout=5)

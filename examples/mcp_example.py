@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from orchestrator import Agent, AgentStep
-from orchestrator.integrations.mcp import McpServer, mcp_registry
-from orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, ScriptedTurn
+from toolchord import Agent, AgentStep
+from toolchord.orchestrator.integrations.mcp import McpServer, mcp_registry
+from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
 
 SERVER = McpServer.stdio(sys.executable, [str(Path(__file__).with_name("mcp_example_server.py"))], name="notes")
 registry = mcp_registry(SERVER, overrides={"export_notes": {"timeout": 1.0, "max_retries": 0}})

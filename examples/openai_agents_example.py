@@ -15,14 +15,15 @@ from agents import Agent, OpenAIChatCompletionsModel, Runner
 from agents.items import ToolCallItem, ToolCallOutputItem
 from openai import AsyncOpenAI
 
-from orchestrator import Orchestrator, ScriptedModelServer
-from orchestrator.demo import DEMO_PROMPT, DEMO_SYSTEM, demo_script
-from orchestrator.integrations.openai_agents import ToolchordTools
-from worker.demo_tools import registry
+from toolchord import Orchestrator
+from toolchord.orchestrator.demo import DEMO_PROMPT, DEMO_SYSTEM, demo_script
+from toolchord.orchestrator.integrations.openai_agents import ToolchordTools
+from toolchord.testing import ScriptedModelServer
+from toolchord.worker.demo_tools import registry
 
 
 async def main() -> None:
-    orchestrator = Orchestrator(registry)  # embedded; Orchestrator(registry, worker.create_app()) for a fleet
+    orchestrator = Orchestrator(registry)  # embedded; Orchestrator(registry, create_app()) for a fleet
     tools = ToolchordTools(orchestrator, session_id="example-conversation")
     with ScriptedModelServer(demo_script()) as server:
         client = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="example")

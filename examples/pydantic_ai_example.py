@@ -15,14 +15,15 @@ from pydantic_ai.messages import ToolReturnPart
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
-from orchestrator import Orchestrator, ScriptedModelServer
-from orchestrator.demo import DEMO_PROMPT, DEMO_SYSTEM, demo_script
-from orchestrator.integrations.pydantic_ai import ToolchordCapability, ToolchordToolset
-from worker.demo_tools import registry
+from toolchord import Orchestrator
+from toolchord.orchestrator.demo import DEMO_PROMPT, DEMO_SYSTEM, demo_script
+from toolchord.orchestrator.integrations.pydantic_ai import ToolchordCapability, ToolchordToolset
+from toolchord.testing import ScriptedModelServer
+from toolchord.worker.demo_tools import registry
 
 
 async def main() -> None:
-    orchestrator = Orchestrator(registry)  # embedded; Orchestrator(registry, worker.create_app()) for a fleet
+    orchestrator = Orchestrator(registry)  # embedded; Orchestrator(registry, create_app()) for a fleet
     toolset = ToolchordToolset(orchestrator)  # idempotency keys scoped by the run's conversation id
     with ScriptedModelServer(demo_script()) as server:
         model = OpenAIChatModel("scripted", provider=OpenAIProvider(base_url=server.base_url + "/v1", api_key="example"))

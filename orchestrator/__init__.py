@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from orchestrator.agent import Agent, AgentResult, AgentStep
-from orchestrator.approval_store import Approval
-from orchestrator.approvals import SessionWaiting, Settlement, UnknownApproval
-from orchestrator.eventlog import EventLog, JsonlEventLog, RedisEventLog, SessionRecorder, open_event_log
-from orchestrator.model_clients import ModelError, make_model_client
-from orchestrator.pipeline import PermissionHook, Pipeline, PreparedCall, prepare_call
-from orchestrator.providers import ProviderAdapter, ProviderFormatError, get_adapter
-from orchestrator.request_builder import PairingError, RequestBuilder, check_pairing, request_bytes
-from orchestrator.runtime import Orchestrator
-from orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, ScriptedTurn
-from orchestrator.turn import LateCall, TurnRecord, TurnResult
+from toolchord.orchestrator.agent import Agent, AgentResult, AgentStep
+from toolchord.orchestrator.approval_store import Approval
+from toolchord.orchestrator.approvals import SessionWaiting, Settlement, UnknownApproval
+from toolchord.orchestrator.eventlog import EventLog, JsonlEventLog, RedisEventLog, SessionRecorder, open_event_log
+from toolchord.orchestrator.model_clients import ModelError, make_model_client
+from toolchord.orchestrator.pipeline import PermissionHook, Pipeline, PreparedCall, prepare_call
+from toolchord.orchestrator.providers import ProviderAdapter, ProviderFormatError, get_adapter
+from toolchord.orchestrator.request_builder import PairingError, RequestBuilder, check_pairing, request_bytes
+from toolchord.orchestrator.runtime import Orchestrator
+from toolchord.orchestrator.turn import LateCall, TurnRecord, TurnResult
 
 __all__ = [
     "Agent",
@@ -32,9 +31,6 @@ __all__ = [
     "ProviderFormatError",
     "RedisEventLog",
     "RequestBuilder",
-    "ScriptedCall",
-    "ScriptedModelServer",
-    "ScriptedTurn",
     "SessionRecorder",
     "SessionWaiting",
     "Settlement",

@@ -1,4 +1,4 @@
-"""The agent loop (**API**: `orchestrator.Agent`).
+"""The agent loop (**API**: `toolchord.Agent`).
 
 model call → turn on the runtime (`Orchestrator.run_calls`) → next request rebuilt from the log,
 until the model answers without tool calls or the step limit is reached. Every step is written to
@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import BaseModel, Field
 
-from orchestrator.approval_store import Approval
-from orchestrator.approvals import SessionWaiting, decided_event, turns_awaiting
-from orchestrator.eventlog import (
+from toolchord.orchestrator.approval_store import Approval
+from toolchord.orchestrator.approvals import SessionWaiting, decided_event, turns_awaiting
+from toolchord.orchestrator.eventlog import (
     ApprovalDecided,
     ApprovalRequested,
     EventLog,
@@ -29,20 +29,20 @@ from orchestrator.eventlog import (
     open_event_log,
     tools_digest,
 )
-from orchestrator.model_clients import (
+from toolchord.orchestrator.model_clients import (
     ModelClient,
     ModelError,
     ModelReply,
     make_model_client,
 )
-from orchestrator.providers import get_adapter
-from orchestrator.request_builder import RequestBuilder, assistant_text, request_digest
-from worker.models import ToolCall, ToolResult
-from worker.registry import Provider, Registry
+from toolchord.orchestrator.providers import get_adapter
+from toolchord.orchestrator.request_builder import RequestBuilder, assistant_text, request_digest
+from toolchord.worker.models import ToolCall, ToolResult
+from toolchord.worker.registry import Provider, Registry
 
 if TYPE_CHECKING:
-    from orchestrator.runtime import Orchestrator
-    from orchestrator.turn import TurnResult
+    from toolchord.orchestrator.runtime import Orchestrator
+    from toolchord.orchestrator.turn import TurnResult
 
 
 class AgentStep(BaseModel):
@@ -100,7 +100,7 @@ class Agent:
         self._own_orchestrator = orchestrator is None
         self.log: EventLog = event_log if event_log is not None else open_event_log()
         if orchestrator is None:
-            from orchestrator.runtime import Orchestrator
+            from toolchord.orchestrator.runtime import Orchestrator
 
             orchestrator = Orchestrator(registry, event_log=self.log)
         self.orchestrator = orchestrator

@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol
 import redis
 from pydantic import BaseModel, Field
 
-from worker.models import SideEffect, ToolCall
+from toolchord.worker.models import SideEffect, ToolCall
 
 ApprovalState = Literal["PENDING_APPROVAL", "APPROVED", "DENIED", "EXPIRED"]
 Decision = Literal["APPROVED", "DENIED", "EXPIRED"]

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
 
-from orchestrator.approval_store import Approval, ApprovalStore, Decision
-from orchestrator.eventlog import (
+from toolchord.orchestrator.approval_store import Approval, ApprovalStore, Decision
+from toolchord.orchestrator.eventlog import (
     ApprovalDecided,
     ApprovalRequested,
     Event,
@@ -28,16 +28,16 @@ from orchestrator.eventlog import (
     RedisEventLog,
     stored_call,
 )
-from orchestrator.history_repair import History
-from orchestrator.turn import DispatchedCall, TurnRecord
-from worker import errors
-from worker.models import ToolResult
-from worker.policy import policy_of
-from worker.redaction import redact
-from worker.tools import ToolSpec
+from toolchord.orchestrator.history_repair import History
+from toolchord.orchestrator.turn import DispatchedCall, TurnRecord
+from toolchord.worker import errors
+from toolchord.worker.models import ToolResult
+from toolchord.worker.policy import policy_of
+from toolchord.worker.redaction import redact
+from toolchord.worker.tools import ToolSpec
 
 if TYPE_CHECKING:
-    from orchestrator.runtime import Orchestrator
+    from toolchord.orchestrator.runtime import Orchestrator
 
 log = logging.getLogger("toolchord.approvals")
 

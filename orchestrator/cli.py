@@ -1,6 +1,6 @@
-"""The `toolchord` command line (console script `toolchord = orchestrator.cli:main`).
+"""The `toolchord` command line (console script `toolchord = toolchord.orchestrator.cli:main`).
 
-Subcommands: worker, flower (Celery processes, see worker.launch), demo, run, replay, tools, ui, bench,
+Subcommands: worker, flower (Celery processes, see toolchord.worker.launch), demo, run, replay, tools, ui, bench,
 mcp serve (needs the `mcp` extra), approvals (list|approve|deny).
 `worker`, `flower` and `bench` hand their arguments on untouched: their own parsers (and Celery's)
 own those options.
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from worker.registry import PROVIDERS, Registry
+from toolchord.worker.registry import PROVIDERS, Registry
 
 _PASSTHROUGH = ("worker", "flower", "bench")
 _BENCHES = ("turns", "sandbox", "load")
@@ -24,7 +24,7 @@ _BENCHES = ("turns", "sandbox", "load")
 
 def _registry(modules: str | None) -> Registry:
     """Tools from --tools, else TOOLCHORD_TOOL_MODULES, else the demo tools."""
-    from worker.launch import DEMO_TOOL_MODULES
+    from toolchord.worker.launch import DEMO_TOOL_MODULES
 
     names = modules or os.environ.get("TOOLCHORD_TOOL_MODULES") or DEMO_TOOL_MODULES
     return Registry.from_modules([m.strip() for m in names.split(",") if m.strip()])
@@ -98,17 +98,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from orchestrator.demo import run_demo
-    from orchestrator.eventlog import open_event_log
+    from toolchord.orchestrator.demo import run_demo
+    from toolchord.orchestrator.eventlog import open_event_log
 
     log = open_event_log(log_dir=args.log_dir) if args.log_dir else open_event_log()
     return run_demo(provider=args.provider, stream=args.stream, log=log)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from orchestrator.agent import Agent
-    from orchestrator.demo import Timeline
-    from orchestrator.model_clients import ModelError
+    from toolchord.orchestrator.agent import Agent
+    from toolchord.orchestrator.demo import Timeline
+    from toolchord.orchestrator.model_clients import ModelError
 
     registry = _registry(args.tools)
     with Agent(registry, model=args.model, provider=args.provider, base_url=args.base_url, system=args.system,
@@ -126,10 +126,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from orchestrator.approvals import turns_awaiting
-    from orchestrator.eventlog import ModelRequest, open_event_log
-    from orchestrator.history_repair import History, plan_repair
-    from orchestrator.request_builder import render, request_bytes, request_digest
+    from toolchord.orchestrator.approvals import turns_awaiting
+    from toolchord.orchestrator.eventlog import ModelRequest, open_event_log
+    from toolchord.orchestrator.history_repair import History, plan_repair
+    from toolchord.orchestrator.request_builder import render, request_bytes, request_digest
 
     log = open_event_log(redis_url=args.redis_url, log_dir=args.log_dir)
     events = log.read(args.session)
@@ -164,7 +164,7 @@ def _print_approvals(events: list[Any]) -> None:
     """One line per approval request and decision (who, when, what) among `events`."""
     from datetime import UTC, datetime
 
-    from orchestrator.eventlog import ApprovalDecided, ApprovalRequested
+    from toolchord.orchestrator.eventlog import ApprovalDecided, ApprovalRequested
 
     for event in events:
         if isinstance(event, ApprovalRequested):
@@ -180,9 +180,9 @@ def _print_approvals(events: list[Any]) -> None:
 def _approvals(args: argparse.Namespace) -> int:
     import time
 
-    from orchestrator.approvals import UnknownApproval
-    from orchestrator.runtime import Orchestrator
-    from worker.config import Settings
+    from toolchord.orchestrator.approvals import UnknownApproval
+    from toolchord.orchestrator.runtime import Orchestrator
+    from toolchord.worker.config import Settings
 
     settings = Settings.from_env()
     if settings.embedded:
@@ -209,11 +209,11 @@ def _approvals(args: argparse.Namespace) -> int:
     return 0 if approval.state == {"approve": "APPROVED", "deny": "DENIED"}[args.action] else 3
 
 def _ui(args: argparse.Namespace) -> int:
-    from orchestrator.eventlog import open_event_log
-    from orchestrator.ui import AUTH_ENV, TimelineServer
-    from worker.config import ConfigError, Settings
-    from worker.launch import basic_auth, refuse_open_access
-    from worker.redis_clients import redis_client
+    from toolchord.orchestrator.eventlog import open_event_log
+    from toolchord.orchestrator.ui import AUTH_ENV, TimelineServer
+    from toolchord.worker.config import ConfigError, Settings
+    from toolchord.worker.launch import basic_auth, refuse_open_access
+    from toolchord.worker.redis_clients import redis_client
 
     try:
         auth = basic_auth(args.basic_auth, os.environ, AUTH_ENV)
@@ -240,9 +240,9 @@ def _tools(args: argparse.Namespace) -> int:
 
 
 def _mcp(args: argparse.Namespace) -> int:
-    from orchestrator.integrations.mcp_serve import RegistryMcpServer
-    from orchestrator.runtime import Orchestrator
-    from worker.launch import is_loopback
+    from toolchord.orchestrator.integrations.mcp_serve import RegistryMcpServer
+    from toolchord.orchestrator.runtime import Orchestrator
+    from toolchord.worker.launch import is_loopback
 
     if args.transport == "streamable-http" and not is_loopback(args.host):
         # The MCP server has no authentication of its own: put an authenticating proxy in front.
@@ -259,17 +259,17 @@ def _mcp(args: argparse.Namespace) -> int:
 
 def _passthrough(command: str, rest: list[str]) -> int:
     if command == "worker":
-        from worker.launch import run_worker
+        from toolchord.worker.launch import run_worker
 
         return run_worker(rest)
     if command == "flower":
-        from worker.launch import run_flower
+        from toolchord.worker.launch import run_flower
 
         return run_flower(rest)
     if not rest or rest[0] not in _BENCHES:
         print(f"usage: toolchord bench {{{','.join(_BENCHES)}}} [options]", file=sys.stderr)
         return 0 if rest[:1] in (["-h"], ["--help"]) else 2
-    module = importlib.import_module(f"orchestrator.bench.{rest[0]}")
+    module = importlib.import_module(f"toolchord.orchestrator.bench.{rest[0]}")
     return int(module.main(rest[1:]) or 0)
 
 

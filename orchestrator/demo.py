@@ -1,7 +1,7 @@
 """`toolchord demo`: a full multi-turn conversation on the embedded default, no network, no keys.
 
 A scripted model server runs in-process and plays a model that calls the example tools of
-`worker.demo_tools`: one of each side-effect class, one that times out, one tool that does not
+`toolchord.worker.demo_tools`: one of each side-effect class, one that times out, one tool that does not
 exist and one call with invalid arguments. The timeline of calls and results is printed as it
 happens; the run ends with the model's final answer.
 """
@@ -12,12 +12,12 @@ import json
 import sys
 from typing import TextIO
 
-from orchestrator.agent import Agent, AgentStep
-from orchestrator.eventlog import EventLog, open_event_log
-from orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, ScriptedTurn
-from worker.config import Settings
-from worker.models import ToolCall, ToolResult
-from worker.registry import Provider, Registry
+from toolchord.orchestrator.agent import Agent, AgentStep
+from toolchord.orchestrator.eventlog import EventLog, open_event_log
+from toolchord.orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, ScriptedTurn
+from toolchord.worker.config import Settings
+from toolchord.worker.models import ToolCall, ToolResult
+from toolchord.worker.registry import Provider, Registry
 
 DEMO_PROMPT = "Order A-1002 should go to 5 Oak Ave. Check my orders, fix the address, email me, and get a sales report."
 DEMO_SYSTEM = "You are a shop assistant. Use the tools; never guess an order's state."
@@ -90,7 +90,7 @@ class Timeline:
 def run_demo(*, provider: Provider = "chat", stream: bool = False, log: EventLog | None = None,
              out: TextIO = sys.stdout) -> int:
     """Run the demo conversation; returns the process exit code (0 when it reached the final answer)."""
-    from worker.demo_tools import registry
+    from toolchord.worker.demo_tools import registry
 
     log = log if log is not None else open_event_log()
     timeline = Timeline(registry, out)

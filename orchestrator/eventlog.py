@@ -24,9 +24,9 @@ from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field, TypeAdapter
 
-from worker.models import SideEffect, ToolCall, ToolResult
-from worker.redaction import MASK, is_secret_key, redact, redact_text
-from worker.registry import Provider, Registry, ToolDeclaration
+from toolchord.worker.models import SideEffect, ToolCall, ToolResult
+from toolchord.worker.redaction import MASK, is_secret_key, redact, redact_text
+from toolchord.worker.registry import Provider, Registry, ToolDeclaration
 
 LOG_DIR_ENV = "TOOLCHORD_LOG_DIR"
 DEFAULT_LOG_DIR = ".toolchord/logs"
@@ -134,7 +134,7 @@ class LateResult(_Event):
 
 
 class ApprovalRequested(_Event):
-    """A call waits for a person's decision: it was not dispatched (orchestrator.approvals)."""
+    """A call waits for a person's decision: it was not dispatched (toolchord.orchestrator.approvals)."""
 
     type: Literal["approval_requested"] = "approval_requested"
     turn_id: str
@@ -285,7 +285,7 @@ class RedisEventLog:
 
     def __init__(self, url: str | None = None, *, client: Any = None, prefix: str = STREAM_PREFIX,
                  master_name: str | None = None) -> None:
-        from worker.redis_clients import redis_client
+        from toolchord.worker.redis_clients import redis_client
 
         self.redis = (
             client if client is not None
@@ -326,10 +326,10 @@ class RedisEventLog:
 def open_event_log(*, redis_url: str | None = None, log_dir: str | os.PathLike[str] | None = None) -> EventLog:
     """The log for the configuration: Redis Streams when distributed, a JSONL file per session when embedded.
 
-    Explicit arguments win; otherwise `worker.config.Settings.from_env()` decides (a configured
+    Explicit arguments win; otherwise `toolchord.worker.config.Settings.from_env()` decides (a configured
     broker means distributed, and its Redis URL holds the streams).
     """
-    from worker.config import Settings
+    from toolchord.worker.config import Settings
 
     if redis_url:
         return RedisEventLog(redis_url, master_name=os.environ.get("TOOLCHORD_REDIS_MASTER_NAME"))

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.eventlog import (
+from toolchord.orchestrator.eventlog import (
     CallParsed,
     CallResult,
     CallStarted,
@@ -30,11 +30,11 @@ from orchestrator.eventlog import (
     TurnDispatched,
     UserInput,
 )
-from orchestrator.providers import ProviderFormatError, get_adapter
-from worker import errors
-from worker.models import SideEffect, ToolCall, ToolResult
-from worker.policy import policy_of
-from worker.registry import Provider
+from toolchord.orchestrator.providers import ProviderFormatError, get_adapter
+from toolchord.worker import errors
+from toolchord.worker.models import SideEffect, ToolCall, ToolResult
+from toolchord.worker.policy import policy_of
+from toolchord.worker.registry import Provider
 
 RESTORE_REASON = "the conversation was restored after an interruption before it started"
 

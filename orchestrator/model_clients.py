@@ -16,10 +16,10 @@ from typing import Any, NamedTuple, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.providers import get_adapter
-from orchestrator.providers.plain_data import to_plain
-from worker.models import ToolCall
-from worker.registry import Provider
+from toolchord.orchestrator.providers import get_adapter
+from toolchord.orchestrator.providers.plain_data import to_plain
+from toolchord.worker.models import ToolCall
+from toolchord.worker.registry import Provider
 
 # Local OpenAI-compatible servers ignore the key, but the SDKs refuse to start without one.
 PLACEHOLDER_API_KEY = "not-needed"

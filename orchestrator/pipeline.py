@@ -13,16 +13,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, SecretBytes, SecretStr, ValidationError
 
-from orchestrator.providers.plain_data import ArgumentsProblem, load_arguments
-from worker import errors
-from worker.config import DEFAULT_MAX_ARGUMENT_BYTES, DEFAULT_MAX_RESULT_DATA_BYTES
-from worker.context import ToolContext
-from worker.idempotency import idempotency_key
-from worker.models import ToolCall, ToolResult
-from worker.registry import Registry
-from worker.runner import execute_call
-from worker.spill import MemorySpillStore, SpillStore, read_output_tool
-from worker.tools import ToolSpec
+from toolchord.orchestrator.providers.plain_data import ArgumentsProblem, load_arguments
+from toolchord.worker import errors
+from toolchord.worker.config import DEFAULT_MAX_ARGUMENT_BYTES, DEFAULT_MAX_RESULT_DATA_BYTES
+from toolchord.worker.context import ToolContext
+from toolchord.worker.idempotency import idempotency_key
+from toolchord.worker.models import ToolCall, ToolResult
+from toolchord.worker.registry import Registry
+from toolchord.worker.runner import execute_call
+from toolchord.worker.spill import MemorySpillStore, SpillStore, read_output_tool
+from toolchord.worker.tools import ToolSpec
 
 _log = logging.getLogger("toolchord.pipeline")
 
@@ -53,7 +53,7 @@ def utf8_size_over(text: str, limit: int) -> int | None:
 def parse_arguments(call: ToolCall) -> dict[str, Any] | ToolResult:
     """The call's arguments as a JSON object, or an INVALID_JSON result.
 
-    The rules are the provider adapters' (`orchestrator.providers.plain_data.load_arguments`), so a
+    The rules are the provider adapters' (`toolchord.orchestrator.providers.plain_data.load_arguments`), so a
     call that ran has the arguments the rebuilt history shows: empty text means `{}`; NaN, Infinity
     and lone surrogates are not JSON.
     """

@@ -25,10 +25,10 @@ import json
 import re
 from typing import Any
 
-from orchestrator.eventlog import EventLog, LateResult, ToolDeclaration, Transformation, UserInput
-from orchestrator.history_repair import History, Turn, plan_repair
-from orchestrator.providers import PairingError, ProviderAdapter, get_adapter
-from worker.registry import Provider
+from toolchord.orchestrator.eventlog import EventLog, LateResult, ToolDeclaration, Transformation, UserInput
+from toolchord.orchestrator.history_repair import History, Turn, plan_repair
+from toolchord.orchestrator.providers import PairingError, ProviderAdapter, get_adapter
+from toolchord.worker.registry import Provider
 
 DEFAULT_MAX_TOKENS = 4096
 _PORTABLE_ID = re.compile(r"^[A-Za-z0-9_-]{1,40}$")

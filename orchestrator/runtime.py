@@ -19,24 +19,24 @@ from celery.backends.redis import RedisBackend
 from celery.canvas import Signature
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
-from orchestrator.approval_store import Approval, MemoryApprovalStore, RedisApprovalStore
-from orchestrator.approvals import ApprovalDesk, needs_approval
-from orchestrator.cancel_signals import announce_cancel, listen_for_cancels
-from orchestrator.eventlog import EventLog
-from orchestrator.observability import observed_turn
-from orchestrator.pipeline import PermissionHook, PreparedCall, prepare_call
-from orchestrator.providers import get_adapter
-from orchestrator.turn import DispatchedCall, LateCall, TurnRecord, TurnResult
-from orchestrator.turn_store import MemoryTurnStore, RedisTurnStore, TurnStore
-from orchestrator.waiting import PollingResultWaiter, RedisResultWaiter, ResultWaiter
-from worker import errors
-from worker.celery_app import WorkerRuntime, create_app, runtime_of
-from worker.config import Settings
-from worker.models import ErrorCode, ToolCall, ToolResult
-from worker.payloads import CallPayload, cancel_scope
-from worker.policy import policy_of
-from worker.registry import Provider, Registry
-from worker.tasks import COLLECT_TASK, TASK_NAMES, with_lost_results
+from toolchord.orchestrator.approval_store import Approval, MemoryApprovalStore, RedisApprovalStore
+from toolchord.orchestrator.approvals import ApprovalDesk, needs_approval
+from toolchord.orchestrator.cancel_signals import announce_cancel, listen_for_cancels
+from toolchord.orchestrator.eventlog import EventLog
+from toolchord.orchestrator.observability import observed_turn
+from toolchord.orchestrator.pipeline import PermissionHook, PreparedCall, prepare_call
+from toolchord.orchestrator.providers import get_adapter
+from toolchord.orchestrator.turn import DispatchedCall, LateCall, TurnRecord, TurnResult
+from toolchord.orchestrator.turn_store import MemoryTurnStore, RedisTurnStore, TurnStore
+from toolchord.orchestrator.waiting import PollingResultWaiter, RedisResultWaiter, ResultWaiter
+from toolchord.worker import errors
+from toolchord.worker.celery_app import WorkerRuntime, create_app, runtime_of
+from toolchord.worker.config import Settings
+from toolchord.worker.models import ErrorCode, ToolCall, ToolResult
+from toolchord.worker.payloads import CallPayload, cancel_scope
+from toolchord.worker.policy import policy_of
+from toolchord.worker.registry import Provider, Registry
+from toolchord.worker.tasks import COLLECT_TASK, TASK_NAMES, with_lost_results
 
 log = logging.getLogger("toolchord.orchestrator")
 
@@ -105,7 +105,7 @@ class _RemoteCancelClock:
 
 
 class Orchestrator:
-    """Runs model turns on a Celery app made by `worker.create_app` (embedded when `app` is None)."""
+    """Runs model turns on a Celery app made by `toolchord.create_app` (embedded when `app` is None)."""
 
     def __init__(
         self,

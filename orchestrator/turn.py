@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr
 
-from orchestrator.approval_store import Approval
-from worker.models import SideEffect, ToolCall, ToolResult
-from worker.registry import Provider
+from toolchord.orchestrator.approval_store import Approval
+from toolchord.worker.models import SideEffect, ToolCall, ToolResult
+from toolchord.worker.registry import Provider
 
 TurnStatus = Literal["running", "done"]
 
@@ -78,7 +78,7 @@ class TurnResult(BaseModel):
 
     def to_messages(self) -> list[dict[str, Any]]:
         """The results as the provider's request messages/items, paired with their calls by id."""
-        from orchestrator.providers import get_adapter
+        from toolchord.orchestrator.providers import get_adapter
 
         return get_adapter(self.provider).result_items(self.results)
 

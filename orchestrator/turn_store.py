@@ -13,7 +13,7 @@ from typing import Protocol
 
 import redis
 
-from orchestrator.turn import LateCall, TurnRecord, TurnResult
+from toolchord.orchestrator.turn import LateCall, TurnRecord, TurnResult
 
 
 class TurnStore(Protocol):

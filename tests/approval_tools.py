@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from orchestrator import Orchestrator
-from orchestrator.eventlog import RedisEventLog
 from tests.cluster_helpers import TOOLS, settings_for
-from worker import Registry
-from worker.celery_app import create_app
+from toolchord.orchestrator import Orchestrator
+from toolchord.orchestrator.eventlog import RedisEventLog
+from toolchord.worker import Registry
+from toolchord.worker.celery_app import create_app
 
 HELD = {"effect_unsafe": "always", "charge": "always"}
 

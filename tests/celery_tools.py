@@ -7,7 +7,7 @@ import time
 
 import redis
 
-from worker import tool
+from toolchord.worker import tool
 
 # Handlers run with a scrubbed environment: the ledger's URL and the worker's name are passed in
 # through the allow-list and read at call time (a sandbox zygote imports this module with no env).

@@ -10,10 +10,10 @@ from typing import Any
 
 import redis
 
-from orchestrator import Orchestrator
-from worker import Registry, ToolCall
-from worker.celery_app import create_app
-from worker.config import Settings
+from toolchord.orchestrator import Orchestrator
+from toolchord.worker import Registry, ToolCall
+from toolchord.worker.celery_app import create_app
+from toolchord.worker.config import Settings
 
 TOOLS = "tests.celery_tools"
 

@@ -17,9 +17,9 @@ from typing import Any, cast
 import pytest
 import redis
 
-from orchestrator.bench import processes
-from orchestrator.bench.processes import ROOT, ProcessStartError, RedisServer, WorkerProcess, free_port
 from tests.brokers import RabbitUnavailable, RabbitVhost, using_rabbitmq
+from toolchord.orchestrator.bench import processes
+from toolchord.orchestrator.bench.processes import ROOT, ProcessStartError, RedisServer, WorkerProcess, free_port
 
 __all__ = ["ROOT", "free_port", "worker_env"]
 

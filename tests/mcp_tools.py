@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from orchestrator.integrations.mcp import McpServer, mcp_registry
+from toolchord.orchestrator.integrations.mcp import McpServer, mcp_registry
 
 SERVER = McpServer.stdio(
     sys.executable, ["-m", "tests.mcp_server"], name="test-server", cwd=str(Path(__file__).resolve().parent.parent),

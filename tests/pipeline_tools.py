@@ -12,10 +12,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from orchestrator.pipeline import PermissionHook, Pipeline
-from orchestrator.providers import get_adapter
-from worker import Registry, ToolCall, ToolContext, ToolOutput, ToolResult, tool
-from worker.registry import Provider
+from toolchord.orchestrator.pipeline import PermissionHook, Pipeline
+from toolchord.orchestrator.providers import get_adapter
+from toolchord.worker import Registry, ToolCall, ToolContext, ToolOutput, ToolResult, tool
+from toolchord.worker.registry import Provider
 
 PROVIDER_IDS: list[Provider] = ["chat", "anthropic", "responses"]
 SECRETS = ("hunter2-very-secret", "sk-live-0123456789abcdefXYZ", "eyJhbGciOiJIUzI1NiJ9.payload.sig")
@@ -180,7 +180,7 @@ def assistant_output(provider: Provider, calls: list[tuple[str, str, Any]], text
             ],
         }
     if provider == "anthropic":
-        from orchestrator.providers.anthropic_messages import INVALID_JSON_KEY
+        from toolchord.orchestrator.providers.anthropic_messages import INVALID_JSON_KEY
 
         blocks: list[dict[str, Any]] = [{"type": "text", "text": text}]
         for cid, name, args in calls:

@@ -16,7 +16,7 @@ import resource
 import signal
 import socket
 
-from worker import SandboxProfile, tool
+from toolchord.worker import SandboxProfile, tool
 
 CLONE_PARENT = 0x00008000
 _SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(platform.machine(), 56)

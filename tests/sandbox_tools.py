@@ -10,11 +10,11 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from worker import SandboxProfile, ToolContext, tool
+from toolchord.worker import SandboxProfile, ToolContext, tool
 
 if TYPE_CHECKING:
-    from worker.execution import HandlerOutcome
-    from worker.tools import ToolSpec
+    from toolchord.worker.execution import HandlerOutcome
+    from toolchord.worker.tools import ToolSpec
 
 FAST = SandboxProfile(memory_mb=256, max_processes=32)
 NO_NET = SandboxProfile(network=False)
@@ -251,14 +251,14 @@ def make_context(name: str, cancel_after: float | None = None) -> ToolContext:
 
 def run(spec: ToolSpec, **arguments: object) -> HandlerOutcome:
     """One call of `spec` through the sandbox, with a test context."""
-    from worker.sandbox import run_isolated
+    from toolchord.worker.sandbox import run_isolated
 
     return run_isolated(spec, spec.args_model(**arguments), make_context(spec.name))
 
 
 def run_in_pool_child(name: str) -> tuple[str, str | None, int]:
     """Run a tool through run_isolated from inside a (daemonic) pool process; for pool tests."""
-    from worker.sandbox import run_isolated
+    from toolchord.worker.sandbox import run_isolated
 
     spec = globals()[name]
     outcome = run_isolated(spec, spec.args_model(), make_context(name))

@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
-from orchestrator.agent import Agent
-from orchestrator.eventlog import EventLog, JsonlEventLog, ModelFailed, ModelRequest
-from orchestrator.history_repair import History, plan_repair
-from orchestrator.model_clients import ModelError
-from orchestrator.request_builder import render, request_bytes
-from orchestrator.runtime import Orchestrator
-from orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, ScriptedTurn
-from worker import Provider, Registry, tool
+from toolchord.orchestrator.agent import Agent
+from toolchord.orchestrator.eventlog import EventLog, JsonlEventLog, ModelFailed, ModelRequest
+from toolchord.orchestrator.history_repair import History, plan_repair
+from toolchord.orchestrator.model_clients import ModelError
+from toolchord.orchestrator.request_builder import render, request_bytes
+from toolchord.orchestrator.runtime import Orchestrator
+from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
+from toolchord.worker import Provider, Registry, tool
 
 ROOT = Path(__file__).resolve().parent.parent
 PROVIDERS = ("chat", "anthropic", "responses")
@@ -175,7 +175,7 @@ def test_a_session_continues_from_its_log(tmp_path: Path, orchestrator: Orchestr
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", "from orchestrator.cli import main; main()", *args],
+    return subprocess.run([sys.executable, "-c", "from toolchord.orchestrator.cli import main; main()", *args],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=120, check=False)
 
 
@@ -201,7 +201,7 @@ def test_toolchord_demo_prints_the_timeline_and_replays(tmp_path: Path) -> None:
 
 def test_toolchord_tools_prints_declarations() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLCHORD_")}
-    done = _cli("tools", "--provider", "anthropic", "--tools", "worker.demo_tools", env=env)
+    done = _cli("tools", "--provider", "anthropic", "--tools", "toolchord.worker.demo_tools", env=env)
     assert done.returncode == 0, done.stderr
     names = [d["name"] for d in json.loads(done.stdout)]
     assert set(names) == {"lookup_order", "set_shipping_address", "send_email", "slow_report"}
@@ -218,7 +218,7 @@ def test_toolchord_run_against_a_model_server(tmp_path: Path, provider: Provider
               ScriptedTurn(text="A-1001 has shipped.")]
     with ScriptedModelServer(script) as server:
         done = _cli("run", "--base-url", base_url(server, provider), "--model", "m", "--provider", provider,
-                    "--tools", "worker.demo_tools", "Where is order A-1001?", env=env)
+                    "--tools", "toolchord.worker.demo_tools", "Where is order A-1001?", env=env)
         received = [r.body for r in server.requests]
     assert done.returncode == 0, done.stderr[-3000:]
     assert "lookup_order" in done.stdout and "final answer: A-1001 has shipped." in done.stdout

@@ -15,21 +15,19 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from orchestrator import (
+from tests.cluster_helpers import wait_for
+from toolchord.orchestrator import (
     Agent,
     AgentResult,
     JsonlEventLog,
     Orchestrator,
-    ScriptedCall,
-    ScriptedModelServer,
-    ScriptedTurn,
     SessionWaiting,
     UnknownApproval,
 )
-from orchestrator.eventlog import ApprovalDecided, ApprovalRequested, ModelRequest
-from tests.cluster_helpers import wait_for
-from worker import ErrorCode, Registry, SandboxProfile, ToolCall, tool
-from worker.redaction import MASK
+from toolchord.orchestrator.eventlog import ApprovalDecided, ApprovalRequested, ModelRequest
+from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
+from toolchord.worker import ErrorCode, Registry, SandboxProfile, ToolCall, tool
+from toolchord.worker.redaction import MASK
 
 ROOT = Path(__file__).resolve().parent.parent
 REFUNDS: list[str] = []
@@ -264,7 +262,7 @@ def test_the_documented_example_runs_as_written(tmp_path: Path) -> None:
 
 
 def _replay(log_dir: Path, session: str) -> str:
-    run = subprocess.run([sys.executable, "-c", "from orchestrator.cli import main; main()", "replay", session,
+    run = subprocess.run([sys.executable, "-c", "from toolchord.orchestrator.cli import main; main()", "replay", session,
                           "--log-dir", str(log_dir)], capture_output=True, text=True, cwd=ROOT, timeout=120,
                          check=False)
     assert run.returncode == 0, run.stderr

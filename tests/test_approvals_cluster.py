@@ -10,12 +10,13 @@ import sys
 
 import pytest
 
-from orchestrator import Agent, ScriptedCall, ScriptedModelServer, ScriptedTurn
-from orchestrator.eventlog import ApprovalDecided, RedisEventLog
 from tests.approval_tools import approval_orchestrator, approval_registry
 from tests.cluster_helpers import TOOLS, call, effects, wait_for
 from tests.conftest import ROOT, worker_env
-from worker import ErrorCode
+from toolchord.orchestrator import Agent
+from toolchord.orchestrator.eventlog import ApprovalDecided, RedisEventLog
+from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
+from toolchord.worker import ErrorCode
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +29,8 @@ SCRIPT = [
 # The first process: runs the agent until it waits, prints the held call, exits.
 FIRST = """
 import json, sys
-from orchestrator import Agent
-from orchestrator.eventlog import RedisEventLog
+from toolchord.orchestrator import Agent
+from toolchord.orchestrator.eventlog import RedisEventLog
 from tests.approval_tools import approval_orchestrator, approval_registry
 url, base = sys.argv[1], sys.argv[2]
 agent = Agent(approval_registry(), model="scripted", base_url=base, api_key="-",
@@ -45,7 +46,7 @@ def _python(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
-    return _python("-c", "from orchestrator.cli import main; main()", *args, env=env)
+    return _python("-c", "from toolchord.orchestrator.cli import main; main()", *args, env=env)
 
 
 def _done(proc: subprocess.Popen[str]) -> tuple[int, str]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.bench.load import LoadConfig, format_table, run_scenario
-from orchestrator.bench.load_ledger import CallOutcome, check_ledger
+from toolchord.orchestrator.bench.load import LoadConfig, format_table, run_scenario
+from toolchord.orchestrator.bench.load_ledger import CallOutcome, check_ledger
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.bench.processes import ROOT
+from toolchord.orchestrator.bench.processes import ROOT
 
 # Loaded 2-core machine: about 7 s.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]

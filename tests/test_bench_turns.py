@@ -1,4 +1,4 @@
-"""Smoke test of `orchestrator.bench.turns`: a tiny run starts its own Redis and worker and writes a full report."""
+"""Smoke test of `toolchord.orchestrator.bench.turns`: a tiny run starts its own Redis and worker and writes a full report."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.bench.processes import ROOT
+from toolchord.orchestrator.bench.processes import ROOT
 
 # Loaded 2-core machine: about 15 s.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -35,7 +35,7 @@ def processes_using(path: Path) -> list[int]:
 def test_tiny_run_writes_report_and_cleans_up(tmp_path: Path) -> None:
     report_path = tmp_path / "turns.json"
     completed = subprocess.run(
-        [sys.executable, "-m", "orchestrator.bench.turns", "--rounds", "1", "--sizes", "1", "--turns-per-round", "2",
+        [sys.executable, "-m", "toolchord.orchestrator.bench.turns", "--rounds", "1", "--sizes", "1", "--turns-per-round", "2",
          "--pipeline-calls", "4", "--inflight", "2", "--warmup", "1", "--redis-stats-turns", "20",
          "--concurrency", "1", "--json", str(report_path)],
         check=False, cwd=ROOT, capture_output=True, text=True, timeout=60,

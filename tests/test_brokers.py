@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import redis.sentinel
 
-from orchestrator.bench.load import LoadConfig, run_scenario
 from tests.brokers import RabbitVhost, rabbitmqctl
-from worker.celery_app import create_app
-from worker.config import ConfigError, Settings
+from toolchord.orchestrator.bench.load import LoadConfig, run_scenario
+from toolchord.worker.celery_app import create_app
+from toolchord.worker.config import ConfigError, Settings
 
 REDIS = "redis://127.0.0.1:6390/0"
 AMQP = "amqp://guest:guest@127.0.0.1:5672/tc"

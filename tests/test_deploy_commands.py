@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from worker.launch import worker_command
+from toolchord.worker.launch import worker_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,7 +139,7 @@ def test_toolchord_commands_use_only_documented_subcommands_and_options() -> Non
 def test_toolchord_subcommands_exist_in_the_installed_cli() -> None:
     """Runs the real console script; fails until orchestrator/cli.py provides these subcommands."""
     for where, argv in _toolchord_commands():
-        text = _help(sys.executable, "-c", "from orchestrator.cli import main; main()", argv[1])
+        text = _help(sys.executable, "-c", "from toolchord.orchestrator.cli import main; main()", argv[1])
         for option in _options(argv[2:]):
             if option in CLI_SPEC[argv[1]]:
                 assert option in text, f"{where}: `toolchord {argv[1]} --help` does not list {option}"
@@ -163,10 +163,10 @@ def test_celery_probe_targets_the_worker_app() -> None:
     from celery import Celery
 
     targets = {argv[argv.index("-A") + 1] for _, argv in _celery_commands()}
-    assert targets == {"worker.celery_app:app"}
-    import worker.celery_app
+    assert targets == {"toolchord.worker.celery_app:app"}
+    import toolchord.worker.celery_app
 
-    assert isinstance(worker.celery_app.app, Celery)
+    assert isinstance(toolchord.worker.celery_app.app, Celery)
 
 
 def test_probes_address_the_node_name_the_worker_runs_under() -> None:
@@ -180,7 +180,7 @@ def test_flower_refuses_a_public_address_without_auth() -> None:
     """The deployments rely on `toolchord flower` refusing to serve unauthenticated off loopback."""
     env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
     done = subprocess.run(
-        [sys.executable, "-c", "from orchestrator.cli import main; main()", "flower", "--address", "0.0.0.0", "--port", "1"],
+        [sys.executable, "-c", "from toolchord.orchestrator.cli import main; main()", "flower", "--address", "0.0.0.0", "--port", "1"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -196,7 +196,7 @@ def test_a_worker_given_no_tools_serves_the_demo_tools_and_says_so(capsys: pytes
     finds its tools (the worker used to start with none and answer every call UNKNOWN_TOOL)."""
     broker = {"TOOLCHORD_BROKER_URL": "redis://x:1/0"}
     args, env = worker_command([], env={**broker, "TOOLCHORD_TOOL_MODULES": " "})
-    assert env["TOOLCHORD_TOOL_MODULES"] == "worker.demo_tools"
+    assert env["TOOLCHORD_TOOL_MODULES"] == "toolchord.worker.demo_tools"
     assert "serving the demo tools" in capsys.readouterr().err
     assert args[args.index("--queues") + 1] == "toolchord"
     _, env = worker_command(["--tools", "tests.celery_tools"], env=broker)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from worker.models import ErrorCode
-from worker.sandbox.profile import SandboxProfile
-from worker.tools import ToolSpec
+from toolchord.worker.models import ErrorCode
+from toolchord.worker.sandbox.profile import SandboxProfile
+from toolchord.worker.tools import ToolSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -220,7 +220,7 @@ def test_k8s_keda_scaler_watches_the_default_queue_list() -> None:
 
 
 def test_k8s_default_queue_matches_the_worker_and_the_settings() -> None:
-    from worker.config import Settings
+    from toolchord.worker.config import Settings
 
     assert Settings().default_queue == DEFAULT_QUEUE
     worker = next(spec for name, spec in pod_specs() if name == "toolchord-worker")

@@ -76,8 +76,8 @@ def test_no_pickle_in_python_serializer_settings() -> None:
 
 
 def test_the_celery_apps_accept_json_only() -> None:
-    from worker.celery_app import create_app
-    from worker.config import Settings
+    from toolchord.worker.celery_app import create_app
+    from toolchord.worker.config import Settings
 
     distributed = create_app(Settings.from_env({"TOOLCHORD_BROKER_URL": "redis://127.0.0.1:1/0"}))
     embedded = create_app(Settings.from_env({}))
@@ -268,7 +268,7 @@ def test_redis_acl_allows_what_celery_and_toolchord_use(acl_redis: dict[str, str
     from celery import Celery, chord
     from celery.contrib.testing.worker import start_worker
 
-    from worker.idempotency import RedisIdempotencyStore
+    from toolchord.worker.idempotency import RedisIdempotencyStore
 
     url = acl_redis["redis-url"]
     app = Celery("acl-check", broker=url, backend=url, set_as_current=False)
@@ -309,7 +309,7 @@ _ComposeLoader.add_multi_constructor("!", _tagged)
 
 
 def _hidden(path: str) -> bool:
-    from worker.sandbox.disk import SECRET_DIRECTORIES
+    from toolchord.worker.sandbox.disk import SECRET_DIRECTORIES
 
     return any(path.startswith(directory + "/") for directory in SECRET_DIRECTORIES)
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.cluster_helpers import TOOLS, call, orchestrator, wait_for
-from worker import ErrorCode
+from toolchord.worker import ErrorCode
 
 # Loaded 2-core machine: up to about 18 s with the workers' teardown.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60),

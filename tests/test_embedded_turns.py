@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from orchestrator import Orchestrator
-from worker import Registry, tool
-from worker.config import Settings
-from worker.models import ToolCall
+from toolchord.orchestrator import Orchestrator
+from toolchord.worker import Registry, tool
+from toolchord.worker.config import Settings
+from toolchord.worker.models import ToolCall
 
 
 @tool(side_effect="read", sandbox={"isolate": False})
@@ -87,7 +87,7 @@ def test_importing_the_packages_builds_no_celery_app() -> None:
 
     probe = (
         "import sys, orchestrator, worker; "
-        "module = sys.modules.get('worker.celery_app'); "
+        "module = sys.modules.get('toolchord.worker.celery_app'); "
         "print('built' if module is not None and 'app' in vars(module) else 'lazy')"
     )
     env = {"TOOLCHORD_BROKER_URL": "redis://127.0.0.1:1/0", "PATH": ""}

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.eventlog import (
+from tests.test_request_builder_rebuild import REGISTRY, write_conversation
+from toolchord.orchestrator.eventlog import (
     CallParsed,
     EventLog,
     JsonlEventLog,
@@ -18,7 +19,6 @@ from orchestrator.eventlog import (
     UserInput,
     open_event_log,
 )
-from tests.test_request_builder_rebuild import REGISTRY, write_conversation
 
 
 @pytest.fixture(params=["jsonl", "redis"])

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from orchestrator.turn import TurnResult
 from tests.cluster_helpers import (
     TOOLS,
     call,
@@ -27,10 +26,11 @@ from tests.cluster_helpers import (
     wait_for,
 )
 from tests.conftest import FAULT_ROW, ROOT, worker_env
-from worker import ErrorCode, Registry
-from worker.celery_app import create_app
-from worker.payloads import CallPayload
-from worker.tasks import TASK_NAMES
+from toolchord.orchestrator.turn import TurnResult
+from toolchord.worker import ErrorCode, Registry
+from toolchord.worker.celery_app import create_app
+from toolchord.worker.payloads import CallPayload
+from toolchord.worker.tasks import TASK_NAMES
 
 # Loaded 2-core machine: up to about 20 s (a redelivery after the 8 s visibility timeout).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]

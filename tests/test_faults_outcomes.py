@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from orchestrator.bench.processes import RedisServer, WorkerProcess
 from tests.cluster_helpers import TOOLS, call, effects, orchestrator, run_in_thread, wait_for
-from worker import ErrorCode
+from toolchord.orchestrator.bench.processes import RedisServer, WorkerProcess
+from toolchord.worker import ErrorCode
 
 pytestmark = pytest.mark.slow
 

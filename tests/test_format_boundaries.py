@@ -13,16 +13,16 @@ from typing import Any, get_args
 
 import pytest
 
-from orchestrator.eventlog import SessionStarted
-from orchestrator.history_repair import History
-from orchestrator.model_clients import make_model_client
-from orchestrator.providers import ProviderAdapter, get_adapter
-from orchestrator.request_builder import render
-from worker import Provider, Registry, SideEffect, declaration, tool
-from worker.celery_app import create_app
-from worker.config import Settings
-from worker.policy import SIDE_EFFECT_POLICIES
-from worker.tasks import TASK_NAMES
+from toolchord.orchestrator.eventlog import SessionStarted
+from toolchord.orchestrator.history_repair import History
+from toolchord.orchestrator.model_clients import make_model_client
+from toolchord.orchestrator.providers import ProviderAdapter, get_adapter
+from toolchord.orchestrator.request_builder import render
+from toolchord.worker import Provider, Registry, SideEffect, declaration, tool
+from toolchord.worker.celery_app import create_app
+from toolchord.worker.config import Settings
+from toolchord.worker.policy import SIDE_EFFECT_POLICIES
+from toolchord.worker.tasks import TASK_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 PROVIDER_BRANCH = re.compile(r"""provider\w*\s*(==|!=)\s*["']|provider\w*\s+in\s+\(["']""")

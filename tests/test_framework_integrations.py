@@ -15,10 +15,11 @@ import pytest
 import redis
 from openai import AsyncOpenAI
 
-from orchestrator import Orchestrator, ScriptedCall, ScriptedModelServer, ScriptedTurn
-from orchestrator.turn import TurnRecord
 from tests.cluster_helpers import TOOLS, effects, orchestrator
 from tests.conftest import ROOT
+from toolchord.orchestrator import Orchestrator
+from toolchord.orchestrator.turn import TurnRecord
+from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
 
 RunAgent = Callable[[Orchestrator, ScriptedModelServer, str], Awaitable[str]]
 
@@ -26,7 +27,7 @@ RunAgent = Callable[[Orchestrator, ScriptedModelServer, str], Awaitable[str]]
 async def run_openai_agents(orch: Orchestrator, server: ScriptedModelServer, session: str) -> str:
     from agents import Agent, OpenAIChatCompletionsModel, Runner
 
-    from orchestrator.integrations.openai_agents import ToolchordTools
+    from toolchord.orchestrator.integrations.openai_agents import ToolchordTools
 
     tools = ToolchordTools(orch, session_id=session)
     client = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="test", max_retries=0)
@@ -41,7 +42,7 @@ async def run_pydantic_ai(orch: Orchestrator, server: ScriptedModelServer, sessi
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    from orchestrator.integrations.pydantic_ai import ToolchordCapability, ToolchordToolset
+    from toolchord.orchestrator.integrations.pydantic_ai import ToolchordCapability, ToolchordToolset
 
     model = OpenAIChatModel("scripted", provider=OpenAIProvider(base_url=server.base_url + "/v1", api_key="test"))
     # The toolset's default session is the run's conversation id.

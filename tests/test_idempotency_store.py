@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from worker.idempotency import ClaimState, IdempotencyStore, MemoryIdempotencyStore, RedisIdempotencyStore
+from toolchord.worker.idempotency import ClaimState, IdempotencyStore, MemoryIdempotencyStore, RedisIdempotencyStore
 
 LEASE = 0.05  # seconds: short enough to let a claim lapse within a test
 TTL = 60

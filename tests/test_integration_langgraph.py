@@ -15,11 +15,11 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from openai import OpenAI
 
-from orchestrator.integrations.langgraph import ToolchordToolNode
-from orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, ScriptedTurn
 from tests.cluster_helpers import TOOLS, effects, orchestrator, run_in_thread, wait_for
 from tests.conftest import ROOT
-from worker import ErrorCode
+from toolchord.orchestrator.integrations.langgraph import ToolchordToolNode
+from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
+from toolchord.worker import ErrorCode
 
 
 def _example() -> ModuleType:

@@ -16,14 +16,14 @@ from mcp import types
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
-from orchestrator import Agent, JsonlEventLog, Orchestrator
-from orchestrator.integrations.mcp import McpServer, mcp_tools, side_effect_for
-from orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, ScriptedTurn
 from tests.cluster_helpers import TOOLS, call, effects, run_in_thread, settings_for, wait_for
 from tests.conftest import ROOT, free_port, worker_env
-from worker import ErrorCode, Registry
-from worker.celery_app import create_app
-from worker.idempotency import PREFIX
+from toolchord.orchestrator import Agent, JsonlEventLog, Orchestrator
+from toolchord.orchestrator.integrations.mcp import McpServer, mcp_tools, side_effect_for
+from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
+from toolchord.worker import ErrorCode, Registry
+from toolchord.worker.celery_app import create_app
+from toolchord.worker.idempotency import PREFIX
 
 MCP_TOOLS = "tests.mcp_tools"
 
@@ -134,7 +134,7 @@ def test_unsafe_mcp_call_not_rerun_after_worker_sigkill_and_resubmission(start_w
 
 
 async def _drive_served(env: dict[str, str]) -> dict[str, Any]:
-    params = StdioServerParameters(command=sys.executable, args=["-m", "orchestrator.cli", "mcp", "serve",
+    params = StdioServerParameters(command=sys.executable, args=["-m", "toolchord.orchestrator.cli", "mcp", "serve",
                                                                   "--tools", TOOLS], env=env, cwd=str(ROOT))
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
         await session.initialize()
@@ -184,14 +184,14 @@ def test_mcp_serve_over_streamable_http_round_trips_into_a_registry(tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLCHORD_")}
     env["TOOLCHORD_LOG_DIR"] = str(tmp_path / "logs")
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "mcp", "serve", "--tools", "worker.demo_tools",
+    proc = subprocess.Popen([sys.executable, "-m", "toolchord.orchestrator.cli", "mcp", "serve", "--tools", "toolchord.worker.demo_tools",
                              "--transport", "streamable-http", "--port", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=(tmp_path / "serve.log").open("wb"))
     try:
         wait_for(lambda: _listening(port) or proc.poll() is not None, 60, "toolchord mcp serve to listen")
         assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
         registry = Registry(mcp_tools(McpServer.http(f"http://127.0.0.1:{port}/mcp")))
-        served = Registry.from_modules(["worker.demo_tools"])
+        served = Registry.from_modules(["toolchord.worker.demo_tools"])
         assert {s.name: s.side_effect for s in served} == {
             s.name: s.side_effect for s in registry if s.name != "read_output"}
         turn = Orchestrator(registry).run_calls("http-rt", [call(0, "lookup_order", order_id="A-1001"),
@@ -205,7 +205,7 @@ def test_mcp_serve_over_streamable_http_round_trips_into_a_registry(tmp_path):
 
 
 def test_mcp_serve_refuses_a_non_loopback_address(capsys):
-    from orchestrator.cli import main
+    from toolchord.orchestrator.cli import main
 
     with pytest.raises(SystemExit) as exited:
         main(["mcp", "serve", "--transport", "streamable-http", "--host", "0.0.0.0"])

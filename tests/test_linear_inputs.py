@@ -15,20 +15,20 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.bench.inputs import hostile_text, responses_stream_events
-from orchestrator.eventlog import CallParsed, CallResult, Event, ModelOutput
-from orchestrator.history_repair import History
-from orchestrator.pipeline import Pipeline, prepare_call
-from orchestrator.providers import get_adapter
 from tests.linear_time import assert_linear
-from worker import ErrorCode, Registry, ToolCall, tool
-from worker.errors import error_result
-from worker.execution import HandlerOutcome
-from worker.models import ToolError, ToolResult
-from worker.redaction import MASK, excerpt, redact, redact_text
-from worker.registry import Provider
-from worker.results import result_from_outcome
-from worker.shaping import cap_content
+from toolchord.orchestrator.bench.inputs import hostile_text, responses_stream_events
+from toolchord.orchestrator.eventlog import CallParsed, CallResult, Event, ModelOutput
+from toolchord.orchestrator.history_repair import History
+from toolchord.orchestrator.pipeline import Pipeline, prepare_call
+from toolchord.orchestrator.providers import get_adapter
+from toolchord.worker import ErrorCode, Registry, ToolCall, tool
+from toolchord.worker.errors import error_result
+from toolchord.worker.execution import HandlerOutcome
+from toolchord.worker.models import ToolError, ToolResult
+from toolchord.worker.redaction import MASK, excerpt, redact, redact_text
+from toolchord.worker.registry import Provider
+from toolchord.worker.results import result_from_outcome
+from toolchord.worker.shaping import cap_content
 
 MIB = 1024 * 1024
 
@@ -323,7 +323,7 @@ def test_excerpts_are_bounded_and_encodable(text: str, limit: int) -> None:
 
 
 def test_input_benchmark_runs(capsys: Any) -> None:
-    from orchestrator.bench.inputs import CASES, main
+    from toolchord.orchestrator.bench.inputs import CASES, main
 
     main(["--sizes", "0.01,0.02"])
     out = capsys.readouterr().out
@@ -331,7 +331,7 @@ def test_input_benchmark_runs(capsys: Any) -> None:
 
 
 def test_size_and_call_caps_come_from_the_environment() -> None:
-    from worker.config import Settings
+    from toolchord.worker.config import Settings
 
     defaults = Settings.from_env({})
     assert (defaults.max_argument_bytes, defaults.max_result_data_bytes, defaults.max_calls_per_turn) == (MIB, MIB, 128)

@@ -22,10 +22,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.observability import metrics_app
 from tests.cluster_helpers import TOOLS, call, orchestrator, wait_for
 from tests.conftest import free_port
-from worker.launch import worker_command
+from toolchord.orchestrator.observability import metrics_app
+from toolchord.worker.launch import worker_command
 
 SECRET = "s3cret-argument-value"
 
@@ -202,12 +202,12 @@ class Block(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, Block())
-from orchestrator import Orchestrator
-from worker.config import Settings
-from worker.demo_tools import registry
-from worker.models import ToolCall
-from worker.observability import metrics
-from worker.observability.tracing import enabled
+from toolchord.orchestrator import Orchestrator
+from toolchord.worker.config import Settings
+from toolchord.worker.demo_tools import registry
+from toolchord.worker.models import ToolCall
+from toolchord.worker.observability import metrics
+from toolchord.worker.observability.tracing import enabled
 
 assert not enabled() and metrics() is None
 orch = Orchestrator(registry, settings=Settings())

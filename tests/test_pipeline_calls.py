@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from orchestrator.pipeline import Pipeline
-from orchestrator.providers import get_adapter
 from tests import pipeline_tools as t
-from worker import ErrorCode, Registry, ToolCall, ToolSpec, tool
-from worker.idempotency import idempotency_key
-from worker.registry import Provider
-from worker.shaping import EMPTY_PLACEHOLDER
+from toolchord.orchestrator.pipeline import Pipeline
+from toolchord.orchestrator.providers import get_adapter
+from toolchord.worker import ErrorCode, Registry, ToolCall, ToolSpec, tool
+from toolchord.worker.idempotency import idempotency_key
+from toolchord.worker.registry import Provider
+from toolchord.worker.shaping import EMPTY_PLACEHOLDER
 
 pytestmark = pytest.mark.parametrize("provider", t.PROVIDER_IDS)
 
@@ -341,7 +341,7 @@ def test_failing_permission_hook_denies_instead_of_raising(provider: Provider) -
 
 
 def test_pipeline_with_its_own_spill_store_serves_read_output(provider: Provider) -> None:
-    from worker.spill import MemorySpillStore
+    from toolchord.worker.spill import MemorySpillStore
 
     store = MemorySpillStore()
     pipeline = Pipeline(Registry([t.flood]), spill=store)

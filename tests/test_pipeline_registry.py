@@ -15,8 +15,8 @@ from openai.types.responses import FunctionToolParam
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from tests import pipeline_tools as t
-from worker import PROVIDERS, DuplicateToolError, Registry, ToolContext, declaration, tool
-from worker.registry import Provider
+from toolchord.worker import PROVIDERS, DuplicateToolError, Registry, ToolContext, declaration, tool
+from toolchord.worker.registry import Provider
 
 
 class Address(BaseModel):

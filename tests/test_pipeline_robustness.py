@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, SecretStr
 
-from orchestrator.pipeline import Pipeline
-from orchestrator.providers import get_adapter
 from tests import pipeline_tools as t
-from worker import ErrorCode, Provider, Registry, ToolCall, ToolResult, tool
+from toolchord.orchestrator.pipeline import Pipeline
+from toolchord.orchestrator.providers import get_adapter
+from toolchord.worker import ErrorCode, Provider, Registry, ToolCall, ToolResult, tool
 
 
 @tool(side_effect="read", sandbox={"isolate": False})
@@ -248,8 +248,8 @@ def test_streamed_truncated_arguments_become_invalid_json(provider: Provider) ->
 
 
 def test_handler_text_with_lone_surrogates_is_still_one_ok_result() -> None:
-    from orchestrator import Pipeline
-    from worker import Registry, ToolCall, tool
+    from toolchord.orchestrator import Pipeline
+    from toolchord.worker import Registry, ToolCall, tool
 
     @tool(side_effect="read", sandbox={"isolate": False})
     def broken_text() -> str:
@@ -263,8 +263,8 @@ def test_handler_text_with_lone_surrogates_is_still_one_ok_result() -> None:
 
 
 def test_a_failing_policy_function_is_a_result_not_an_exception() -> None:
-    from orchestrator import Pipeline
-    from worker import ErrorCode, Registry, ToolCall, tool
+    from toolchord.orchestrator import Pipeline
+    from toolchord.worker import ErrorCode, Registry, ToolCall, tool
 
     @tool(side_effect="read", sandbox={"isolate": False}, resource=lambda args: args["missing"])
     def locked(path: str) -> str:
@@ -281,9 +281,9 @@ def test_a_failing_policy_function_is_a_result_not_an_exception() -> None:
 def test_embedded_stores_stay_bounded() -> None:
     import time as _time
 
-    from orchestrator.turn import TurnRecord, TurnResult
-    from orchestrator.turn_store import MemoryTurnStore
-    from worker.idempotency import MemoryIdempotencyStore
+    from toolchord.orchestrator.turn import TurnRecord, TurnResult
+    from toolchord.orchestrator.turn_store import MemoryTurnStore
+    from toolchord.worker.idempotency import MemoryIdempotencyStore
 
     turns = MemoryTurnStore(max_finished=3)
     for i in range(10):

@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from orchestrator.providers import AnthropicMessagesAdapter, ProviderFormatError
-from worker.models import ErrorCode, ToolCall, ToolError, ToolResult
+from toolchord.orchestrator.providers import AnthropicMessagesAdapter, ProviderFormatError
+from toolchord.worker.models import ErrorCode, ToolCall, ToolError, ToolResult
 
 ADAPTER = AnthropicMessagesAdapter()
 

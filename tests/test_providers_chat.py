@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
 
-from orchestrator.providers import ChatCompletionsAdapter, ProviderFormatError, get_adapter
-from worker.models import ErrorCode, ToolCall, ToolError, ToolResult
+from toolchord.orchestrator.providers import ChatCompletionsAdapter, ProviderFormatError, get_adapter
+from toolchord.worker.models import ErrorCode, ToolCall, ToolError, ToolResult
 
 ADAPTER = get_adapter("chat")
 

@@ -14,9 +14,9 @@ from anthropic.types import Message
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from orchestrator.pipeline import Pipeline
-from orchestrator.providers import get_adapter
-from worker import ErrorCode, Registry, ToolCall, tool
+from toolchord.orchestrator.pipeline import Pipeline
+from toolchord.orchestrator.providers import get_adapter
+from toolchord.worker import ErrorCode, Registry, ToolCall, tool
 
 
 def _chunk(delta: dict[str, Any], finish: str | None = None) -> ChatCompletionChunk:

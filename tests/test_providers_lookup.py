@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.providers import ProviderAdapter, StreamAccumulator, get_adapter, parse_arguments
-from worker.registry import PROVIDERS
+from toolchord.orchestrator.providers import ProviderAdapter, StreamAccumulator, get_adapter, parse_arguments
+from toolchord.worker.registry import PROVIDERS
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

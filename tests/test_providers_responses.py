@@ -23,8 +23,8 @@ from openai.types.responses import (
 )
 from pydantic import BaseModel
 
-from orchestrator.providers import ProviderFormatError, ResponsesAdapter, get_adapter
-from worker.models import ErrorCode, ToolCall, ToolError, ToolResult
+from toolchord.orchestrator.providers import ProviderFormatError, ResponsesAdapter, get_adapter
+from toolchord.worker.models import ErrorCode, ToolCall, ToolError, ToolResult
 
 ADAPTER = get_adapter("responses")
 

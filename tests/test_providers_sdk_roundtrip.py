@@ -17,8 +17,8 @@ import anthropic
 import openai
 import pytest
 
-from orchestrator.providers import AnthropicMessagesAdapter, get_adapter
-from worker.models import ToolCall, ToolResult
+from toolchord.orchestrator.providers import AnthropicMessagesAdapter, get_adapter
+from toolchord.worker.models import ToolCall, ToolResult
 
 
 class ScriptedServer:

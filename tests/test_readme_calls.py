@@ -11,8 +11,8 @@ import pytest
 from anthropic.types import Message
 from openai.types.chat import ChatCompletion
 
-from orchestrator import Orchestrator, check_pairing, get_adapter
-from worker import Registry, ToolContext, tool
+from toolchord.orchestrator import Orchestrator, check_pairing, get_adapter
+from toolchord.worker import Registry, ToolContext, tool
 
 REFUNDS: list[tuple[str, int]] = []
 

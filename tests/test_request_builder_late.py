@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.eventlog import JsonlEventLog, SessionRecorder
-from orchestrator.request_builder import RequestBuilder
 from tests.test_request_builder_rebuild import PROVIDERS, REGISTRY, assert_provider_accepts, write_conversation
-from worker.models import ToolResult
-from worker.registry import Provider
+from toolchord.orchestrator.eventlog import JsonlEventLog, SessionRecorder
+from toolchord.orchestrator.request_builder import RequestBuilder
+from toolchord.worker.models import ToolResult
+from toolchord.worker.registry import Provider
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pydantic import TypeAdapter
 
-from orchestrator.eventlog import (
+from toolchord.orchestrator.eventlog import (
     EventLog,
     JsonlEventLog,
     RedisEventLog,
@@ -23,9 +23,9 @@ from orchestrator.eventlog import (
     declarations_from_registry,
     tools_digest,
 )
-from orchestrator.providers import get_adapter
-from orchestrator.request_builder import RequestBuilder, check_pairing, request_bytes
-from orchestrator.scripted_model import (
+from toolchord.orchestrator.providers import get_adapter
+from toolchord.orchestrator.request_builder import RequestBuilder, check_pairing, request_bytes
+from toolchord.orchestrator.scripted_model import (
     ScriptedCall,
     ScriptedTurn,
     _Ids,
@@ -33,8 +33,8 @@ from orchestrator.scripted_model import (
     chat_completion,
     responses_response,
 )
-from worker import Provider, Registry, ToolResult, tool
-from worker.models import ErrorCode, ToolError
+from toolchord.worker import Provider, Registry, ToolResult, tool
+from toolchord.worker.models import ErrorCode, ToolError
 
 ROOT = Path(__file__).resolve().parent.parent
 PROVIDERS = ("chat", "anthropic", "responses")
@@ -127,8 +127,8 @@ def assert_provider_accepts(provider: Provider, request: dict[str, Any]) -> None
 def rebuild_in_subprocess(store: str, location: str, session_id: str, provider: Provider) -> bytes:
     code = (
         "import sys\n"
-        "from orchestrator.eventlog import JsonlEventLog, RedisEventLog\n"
-        "from orchestrator.request_builder import RequestBuilder\n"
+        "from toolchord.orchestrator.eventlog import JsonlEventLog, RedisEventLog\n"
+        "from toolchord.orchestrator.request_builder import RequestBuilder\n"
         f"log = {'JsonlEventLog' if store == 'jsonl' else 'RedisEventLog'}({location!r})\n"
         f"sys.stdout.buffer.write(RequestBuilder(log).build_bytes({session_id!r}, {provider!r}))\n"
     )

@@ -7,21 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.eventlog import (
-    CallResult,
-    JsonlEventLog,
-    Transformation,
-    encode_event,
-)
-from orchestrator.history_repair import History, plan_repair
-from orchestrator.request_builder import RequestBuilder, request_bytes
 from tests.test_request_builder_rebuild import (
     PROVIDERS,
     assert_provider_accepts,
     write_conversation,
 )
-from worker.models import ToolResult
-from worker.registry import Provider
+from toolchord.orchestrator.eventlog import (
+    CallResult,
+    JsonlEventLog,
+    Transformation,
+    encode_event,
+)
+from toolchord.orchestrator.history_repair import History, plan_repair
+from toolchord.orchestrator.request_builder import RequestBuilder, request_bytes
+from toolchord.worker.models import ToolResult
+from toolchord.worker.registry import Provider
 
 
 def _copy_prefix(source: Path, target: Path, lines: int) -> None:

@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 
 from tests import sandbox_tools as tools
-from worker.execution import HandlerOutcome
-from worker.sandbox import probe, run_isolated
-from worker.sandbox.runner import (
+from toolchord.worker.execution import HandlerOutcome
+from toolchord.worker.sandbox import probe, run_isolated
+from toolchord.worker.sandbox.runner import (
     GRACE_SECONDS,
     OUTPUT_FLOOD_BYTES,
     OUTPUT_KEEP_BYTES,
     RESULT_MAX_BYTES,
 )
-from worker.sandbox.zygote import zygote_pid
-from worker.tools import ToolSpec
+from toolchord.worker.sandbox.zygote import zygote_pid
+from toolchord.worker.tools import ToolSpec
 
 pytestmark = pytest.mark.slow
 # Scheduling and fork time on a loaded CI machine: 0.94 s over timeout + grace seen with both cores busy.

@@ -31,10 +31,10 @@ from tests import sandbox_tools
 from tests.cluster_helpers import call, orchestrator
 from tests.sandbox_tools import run
 from tests.unprivileged_sandbox_worker import zombie_children
-from worker import ErrorCode
-from worker.execution import HandlerOutcome
-from worker.sandbox import probe, zygote
-from worker.sandbox.zygote import set_zygote_enabled, stop_zygote, zygote_pid
+from toolchord.worker import ErrorCode
+from toolchord.worker.execution import HandlerOutcome
+from toolchord.worker.sandbox import probe, zygote
+from toolchord.worker.sandbox.zygote import set_zygote_enabled, stop_zygote, zygote_pid
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

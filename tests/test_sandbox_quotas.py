@@ -15,10 +15,10 @@ import pytest
 
 from tests import sandbox_tools as tools
 from tests.unprivileged import WORKER_UID, run_unprivileged, user_namespaces_refused
-from worker.execution import HandlerOutcome
-from worker.sandbox import cgroup, probe, run_isolated
-from worker.sandbox.workdir import WORKDIR_ROOT_ENV, sandbox_root, wait_for_removals
-from worker.tools import ToolSpec
+from toolchord.worker.execution import HandlerOutcome
+from toolchord.worker.sandbox import cgroup, probe, run_isolated
+from toolchord.worker.sandbox.workdir import WORKDIR_ROOT_ENV, sandbox_root, wait_for_removals
+from toolchord.worker.tools import ToolSpec
 
 
 def run(spec: ToolSpec, **arguments: Any) -> HandlerOutcome:
@@ -150,7 +150,7 @@ def test_unprivileged_worker_in_a_delegated_cgroup_bounds_the_call(delegated_cgr
 
 @pytest.mark.skipif("cgroup" not in probe().available(), reason="needs the cgroup layer")
 def test_a_grandchild_that_left_the_process_group_dies_with_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.sandbox import capabilities
+    from toolchord.worker.sandbox import capabilities
 
     # Without seccomp a handler's subprocess can setsid() out of the group the call's end kills.
     real = probe()

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from tests import sandbox_tools as tools
-from worker.execution import HandlerOutcome
-from worker.sandbox import SandboxCapabilities, probe, run_isolated
-from worker.sandbox.workdir import wait_for_removals
-from worker.tools import ToolSpec
+from toolchord.worker.execution import HandlerOutcome
+from toolchord.worker.sandbox import SandboxCapabilities, probe, run_isolated
+from toolchord.worker.sandbox.workdir import wait_for_removals
+from toolchord.worker.tools import ToolSpec
 
 
 def run(spec: ToolSpec, **arguments: Any) -> HandlerOutcome:
@@ -93,7 +93,7 @@ def test_isolate_false_with_required_layers_refuses_to_run() -> None:
 def test_required_layer_that_is_unavailable_fails_the_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from worker.sandbox import capabilities
+    from toolchord.worker.sandbox import capabilities
 
     real = probe()
     without_landlock = real.model_copy(
@@ -165,7 +165,7 @@ def test_probe_is_cached_and_serializable() -> None:
 
 
 def test_describe_layers_names_every_layer() -> None:
-    from worker.sandbox import describe_layers
+    from toolchord.worker.sandbox import describe_layers
 
     line = describe_layers()
     for layer in ("rlimits", "uid", "landlock", "seccomp", "netns", "cgroup", "disk"):
@@ -177,7 +177,7 @@ def test_runs_from_a_daemonic_billiard_pool_child() -> None:
     """Celery's prefork pool children are daemonic; stdlib multiprocessing would refuse to fork there."""
     import billiard
 
-    from worker.sandbox import zygote_pid
+    from toolchord.worker.sandbox import zygote_pid
 
     with billiard.get_context("fork").Pool(1) as pool:
         lazy = pool.apply(tools.run_in_pool_child, ("lazy_import",))
@@ -193,7 +193,7 @@ def test_with_only_rlimits_available_calls_still_run_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """What an unprivileged worker in a locked-down container gets: rlimits and nothing else."""
-    from worker.sandbox import capabilities, runner
+    from toolchord.worker.sandbox import capabilities, runner
 
     real = probe()
     off = {"available": False, "detail": "off for test"}

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from tests import sandbox_tools
-from worker import ToolContext
-from worker.config import Settings
-from worker.runner import run_handler
+from toolchord.worker import ToolContext
+from toolchord.worker.config import Settings
+from toolchord.worker.runner import run_handler
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the uid-drop layer needs a root worker")
 

@@ -18,10 +18,10 @@ import pytest
 
 from tests import sandbox_tools as tools
 from tests.unprivileged import WORKER_UID, run_unprivileged, user_namespaces_refused
-from worker.execution import HandlerOutcome
-from worker.sandbox import run_isolated
-from worker.sandbox.workdir import WORKDIR_ROOT_ENV, SandboxRootError, sandbox_root, wait_for_removals
-from worker.tools import ToolSpec
+from toolchord.worker.execution import HandlerOutcome
+from toolchord.worker.sandbox import run_isolated
+from toolchord.worker.sandbox.workdir import WORKDIR_ROOT_ENV, SandboxRootError, sandbox_root, wait_for_removals
+from toolchord.worker.tools import ToolSpec
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play both worker kinds")
 

@@ -20,17 +20,17 @@ from typing import Any
 import pytest
 
 from tests import sandbox_tools
-from worker import ToolContext, tool
-from worker.execution import HandlerOutcome
-from worker.sandbox import run_isolated
-from worker.sandbox.zygote import (
+from toolchord.worker import ToolContext, tool
+from toolchord.worker.execution import HandlerOutcome
+from toolchord.worker.sandbox import run_isolated
+from toolchord.worker.sandbox.zygote import (
     ENV_ALLOW,
     set_zygote_enabled,
     start_zygote,
     stop_zygote,
     zygote_pid,
 )
-from worker.tools import ToolSpec
+from toolchord.worker.tools import ToolSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_STATE: dict[str, str] = {}
@@ -275,7 +275,7 @@ def test_zygote_dying_during_a_call_fails_the_call_and_kills_its_children(
 def test_zygote_dies_with_its_worker() -> None:
     script = (
         "import time\n"
-        "from worker.sandbox.zygote import start_zygote\n"
+        "from toolchord.worker.sandbox.zygote import start_zygote\n"
         "print(start_zygote(), flush=True)\n"
         "time.sleep(60)\n"
     )

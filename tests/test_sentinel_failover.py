@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from orchestrator import Orchestrator
-from orchestrator.bench.processes import free_port
-from orchestrator.turn import TurnResult
 from tests.cluster_helpers import TOOLS, call, effects, run_in_thread, wait_for
-from worker import ErrorCode, Registry
-from worker.celery_app import create_app
-from worker.config import Settings
+from toolchord.orchestrator import Orchestrator
+from toolchord.orchestrator.bench.processes import free_port
+from toolchord.orchestrator.turn import TurnResult
+from toolchord.worker import ErrorCode, Registry
+from toolchord.worker.celery_app import create_app
+from toolchord.worker.config import Settings
 
 pytestmark = pytest.mark.slow
 

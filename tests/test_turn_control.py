@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import runtime as orchestrator_runtime
-from orchestrator.turn import TurnResult
 from tests.cluster_helpers import TOOLS, call, effects, orchestrator, run_in_thread, wait_for
 from tests.conftest import ROOT, free_port, worker_env
-from worker import ErrorCode
-from worker.idempotency import PREFIX, idempotency_key
+from toolchord.orchestrator import runtime as orchestrator_runtime
+from toolchord.orchestrator.turn import TurnResult
+from toolchord.worker import ErrorCode
+from toolchord.worker.idempotency import PREFIX, idempotency_key
 
 # Loaded 2-core machine: up to about 12 s (Flower).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
@@ -88,7 +88,7 @@ def test_flower_shows_each_call_by_tool_and_call_id_behind_auth(start_worker, re
     port = free_port()
     env = worker_env(redis_url, TOOLS, FLOWER_BASIC_AUTH="ops:s3cret")
     log = (tmp_path / "flower.log").open("wb")
-    flower = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "flower", "--port", str(port)],
+    flower = subprocess.Popen([sys.executable, "-m", "toolchord.orchestrator.cli", "flower", "--port", str(port)],
                               cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

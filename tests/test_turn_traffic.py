@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import redis
 
-from orchestrator import Orchestrator
 from tests.cluster_helpers import TOOLS, call, orchestrator, run_in_thread, settings_for, wait_for
-from worker import ErrorCode, Registry
-from worker.celery_app import create_app
+from toolchord.orchestrator import Orchestrator
+from toolchord.worker import ErrorCode, Registry
+from toolchord.worker.celery_app import create_app
 
 pytestmark = pytest.mark.slow
 

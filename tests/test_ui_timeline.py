@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
-from orchestrator.agent import Agent
-from orchestrator.eventlog import RedisEventLog
-from orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, ScriptedTurn
-from orchestrator.ui import TimelineServer
 from tests.cluster_helpers import TOOLS, orchestrator, run_in_thread
+from toolchord.orchestrator.agent import Agent
+from toolchord.orchestrator.eventlog import RedisEventLog
+from toolchord.orchestrator.ui import TimelineServer
+from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -115,7 +115,7 @@ def _get(url: str, auth: str | None = None) -> int:
 
 
 def test_the_page_asks_for_basic_auth_when_configured(tmp_path: Path) -> None:
-    from orchestrator.eventlog import JsonlEventLog
+    from toolchord.orchestrator.eventlog import JsonlEventLog
 
     server = TimelineServer(JsonlEventLog(tmp_path), None, port=0, basic_auth="ops:s3cret")
     server.start()
@@ -131,7 +131,7 @@ def test_the_page_asks_for_basic_auth_when_configured(tmp_path: Path) -> None:
 def test_toolchord_ui_refuses_a_public_address_without_auth(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from orchestrator.cli import main
+    from toolchord.orchestrator.cli import main
 
     monkeypatch.delenv("TOOLCHORD_UI_BASIC_AUTH", raising=False)
     monkeypatch.delenv("TOOLCHORD_UI_BASIC_AUTH_FILE", raising=False)
@@ -155,8 +155,8 @@ def test_the_demo_on_a_cluster_shows_up_on_the_page(start_worker, redis_url, cle
     server = TimelineServer(RedisEventLog(redis_url), clean_redis, port=0)
     server.start()
     try:
-        env = worker_env(redis_url, "worker.demo_tools")
-        done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "demo"], check=False, cwd=ROOT, env=env,
+        env = worker_env(redis_url, "toolchord.worker.demo_tools")
+        done = subprocess.run([sys.executable, "-m", "toolchord.orchestrator.cli", "demo"], check=False, cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         assert "cluster runtime" in done.stdout.splitlines()[0]
@@ -177,10 +177,10 @@ def test_the_demo_on_a_cluster_shows_up_on_the_page(start_worker, redis_url, cle
 
 @pytest.mark.slow
 def test_a_call_that_outlives_its_turn_ends_where_the_model_got_its_answer(start_worker, redis_url, clean_redis):
-    from orchestrator.eventlog import SessionRecorder
-    from orchestrator.ui import session_view
     from tests.cluster_helpers import call, wait_for
-    from worker.observability.call_timeline import read_timings
+    from toolchord.orchestrator.eventlog import SessionRecorder
+    from toolchord.orchestrator.ui import session_view
+    from toolchord.worker.observability.call_timeline import read_timings
 
     start_worker(TOOLS)
     log = RedisEventLog(redis_url)

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from tests import sandbox_tools as tools
-from worker.execution import HandlerOutcome
+from toolchord.worker.execution import HandlerOutcome
 
 # One per test process: pytest-xdist workers running these tests at once must not share a uid.
 WORKER_UID = 60_000 + os.getpid() % 5_000
@@ -23,7 +23,7 @@ def run_unprivileged(name: str, env: dict[str, str] | None = None, cgroups: tupl
     """Run sandbox tool `name` through run_isolated in a forked worker process running as WORKER_UID,
     placed first in `cgroups` (directories delegated to that uid) when given, with the layers named
     in `without` off as on a host that lacks them."""
-    from worker.sandbox import capabilities, runner, workdir, zygote
+    from toolchord.worker.sandbox import capabilities, runner, workdir, zygote
 
     read_fd, write_fd = os.pipe()
     pid = os.fork()
@@ -69,7 +69,7 @@ def run_unprivileged(name: str, env: dict[str, str] | None = None, cgroups: tupl
 def user_namespaces_refused() -> bool:
     """Whether this kernel refuses WORKER_UID a user namespace (sysctls, AppArmor, a container's
     seccomp profile): then an unprivileged worker has no `disk` or `netns` layer."""
-    from worker.sandbox.syscalls import CLONE_NEWUSER, unshare
+    from toolchord.worker.sandbox.syscalls import CLONE_NEWUSER, unshare
 
     pid = os.fork()
     if pid == 0:

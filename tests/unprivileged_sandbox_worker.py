@@ -20,8 +20,8 @@ from typing import Any
 
 from tests import sandbox_escape_tools
 from tests.sandbox_tools import make_context
-from worker.sandbox import capabilities, run_isolated
-from worker.sandbox.zygote import set_zygote_enabled, start_zygote, zygote_pid
+from toolchord.worker.sandbox import capabilities, run_isolated
+from toolchord.worker.sandbox.zygote import set_zygote_enabled, start_zygote, zygote_pid
 
 
 def zombie_children(pid: int, settle_seconds: float = 5.0) -> int:

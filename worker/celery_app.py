@@ -1,7 +1,7 @@
 """The Celery app: configuration, the per-process worker runtime, and the embedded mode.
 
 `create_app()` builds an app from the environment (or explicit `Settings`); `app` is the one
-configured from the environment for `celery -A worker.celery_app` and `toolchord worker`, built
+configured from the environment for `celery -A toolchord.worker.celery_app` and `toolchord worker`, built
 lazily on first access (`default_app()`).
 With no broker configured, the app is embedded: in-memory transport and result backend, and
 `start_embedded_worker()` runs a worker thread in this process — the same tasks, one process.
@@ -15,12 +15,12 @@ from typing import Any
 
 from celery import Celery
 
-from worker.config import Settings
-from worker.observability import signals as _observability  # noqa: F401 - connects its signal receivers
-from worker.redis_clients import is_redis_url, is_sentinel_url
-from worker.registry import Registry
-from worker.tasks import register_tasks
-from worker.worker_runtime import WorkerRuntime, queues_of, runtime_of
+from toolchord.worker.config import Settings
+from toolchord.worker.observability import signals as _observability  # noqa: F401 - connects its signal receivers
+from toolchord.worker.redis_clients import is_redis_url, is_sentinel_url
+from toolchord.worker.registry import Registry
+from toolchord.worker.tasks import register_tasks
+from toolchord.worker.worker_runtime import WorkerRuntime, queues_of, runtime_of
 
 # The in-memory transport polls; the default one-second poll would make every embedded turn slow.
 EMBEDDED_POLL_SECONDS = 0.002
@@ -154,8 +154,8 @@ _app_lock = threading.Lock()
 def default_app() -> Celery:
     """The app configured from the environment, built on first use (once per process).
 
-    Importing this module (or `orchestrator`) reads no environment and imports no tool modules;
-    `worker.celery_app.app`, which `celery -A worker.celery_app` and `toolchord worker` load, is
+    Importing this module (or `toolchord`, or `toolchord.orchestrator`) reads no environment and imports no tool modules;
+    `toolchord.worker.celery_app.app`, which `celery -A toolchord.worker.celery_app` and `toolchord worker` load, is
     this app.
     """
     global _app

@@ -13,7 +13,7 @@ from pathlib import Path
 import redis
 from pydantic import BaseModel, Field
 
-from worker.redis_clients import is_redis_url, is_sentinel_url, redis_client, scheme_of
+from toolchord.worker.redis_clients import is_redis_url, is_sentinel_url, redis_client, scheme_of
 
 DEFAULT_MAX_ARGUMENT_BYTES = 1024 * 1024
 DEFAULT_MAX_RESULT_DATA_BYTES = 1024 * 1024

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
-from worker.context import ToolContext
-from worker.registry import Registry
+from toolchord.worker.context import ToolContext
+from toolchord.worker.registry import Registry
 
 registry = Registry()
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from worker.models import ErrorCode, ToolCall, ToolError, ToolResult
-from worker.redaction import MASK, excerpt, is_secret_key, redact_text, well_formed
+from toolchord.worker.models import ErrorCode, ToolCall, ToolError, ToolResult
+from toolchord.worker.redaction import MASK, excerpt, is_secret_key, redact_text, well_formed
 
 # A list of 100,000 wrong items is one line per item to pydantic; the model needs the first few.
 _MAX_FIELD_LINES = 20

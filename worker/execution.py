@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from worker.context import ToolContext
-from worker.redaction import well_formed
-from worker.tools import ToolSpec, handler_kwargs
+from toolchord.worker.context import ToolContext
+from toolchord.worker.redaction import well_formed
+from toolchord.worker.tools import ToolSpec, handler_kwargs
 
 OutcomeStatus = Literal["ok", "error", "timeout", "crashed", "cancelled"]
 

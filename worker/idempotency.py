@@ -30,8 +30,8 @@ from typing import Any, NamedTuple, Protocol
 import redis
 from pydantic import BaseModel
 
-from worker.redis_clients import redis_client
-from worker.tools import ToolSpec
+from toolchord.worker.redis_clients import redis_client
+from toolchord.worker.tools import ToolSpec
 
 PREFIX = "toolchord:idem:"
 

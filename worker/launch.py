@@ -1,6 +1,6 @@
 """`toolchord worker` and `toolchord flower`: Celery's own commands on toolchord's app.
 
-Both replace the current process with `celery -A worker.celery_app:app ...` so signals, pool
+Both replace the current process with `celery -A toolchord.worker.celery_app:app ...` so signals, pool
 management and Flower behave exactly as Celery documents them.
 """
 
@@ -14,12 +14,12 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 
-from worker.config import ConfigError, Settings
+from toolchord.worker.config import ConfigError, Settings
 
-APP = "worker.celery_app:app"
+APP = "toolchord.worker.celery_app:app"
 
 
-DEMO_TOOL_MODULES = "worker.demo_tools"
+DEMO_TOOL_MODULES = "toolchord.worker.demo_tools"
 """The tools every command serves when neither --tools nor TOOLCHORD_TOOL_MODULES names any."""
 
 
@@ -57,8 +57,8 @@ def worker_command(argv: Sequence[str] | None = None, env: dict[str, str] | None
     if known.queues:
         args += ["--queues", known.queues]
     else:
-        from worker.celery_app import queues_of
-        from worker.registry import Registry
+        from toolchord.worker.celery_app import queues_of
+        from toolchord.worker.registry import Registry
 
         args += ["--queues", ",".join(sorted(queues_of(Registry.from_modules(settings.tool_modules), settings)))]
     if known.concurrency:
@@ -76,7 +76,7 @@ def _metrics_env(env: dict[str, str], port: int, address: str) -> None:
     env["TOOLCHORD_METRICS_PORT"] = str(port)
     env["TOOLCHORD_METRICS_ADDRESS"] = address
     directory = env.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="toolchord-metrics-"))
-    from worker.observability.metrics import wipe_multiprocess_dir
+    from toolchord.worker.observability.metrics import wipe_multiprocess_dir
 
     wipe_multiprocess_dir(directory)
 

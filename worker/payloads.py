@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from worker.models import ToolCall
+from toolchord.worker.models import ToolCall
 
 
 def cancel_scope(turn_id: str, key: str) -> str:

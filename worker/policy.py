@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.models import SideEffect
+from toolchord.worker.models import SideEffect
 
 
 @dataclass(frozen=True)

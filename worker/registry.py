@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from worker.schema import parameters_schema, strict_compatible
-from worker.tools import ToolSpec, tool
+from toolchord.worker.schema import parameters_schema, strict_compatible
+from toolchord.worker.tools import ToolSpec, tool
 
 Provider = Literal["chat", "anthropic", "responses"]
 PROVIDERS: tuple[Provider, ...] = ("chat", "anthropic", "responses")
@@ -37,7 +37,7 @@ class Registry:
         return spec
 
     def tool(self, fn: Callable[..., Any] | None = None, **options: Any) -> Any:
-        """Decorator: like `worker.tool`, and registers the result here."""
+        """Decorator: like `toolchord.tool`, and registers the result here."""
         if fn is not None:
             return self.add(tool(fn, **options))
         return lambda func: self.add(tool(func, **options))
@@ -117,6 +117,6 @@ def tool_declaration(spec: ToolSpec) -> ToolDeclaration:
 
 def declaration(spec: ToolSpec, provider: Provider) -> dict[str, Any]:
     """One tool's declaration for a provider's request; ValueError for an unknown provider."""
-    from orchestrator.providers import get_adapter  # the adapters know the formats; lazy: no import cycle
+    from toolchord.orchestrator.providers import get_adapter  # the adapters know the formats; lazy: no import cycle
 
     return get_adapter(provider).render_tool(tool_declaration(spec))

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from worker import errors
-from worker.config import DEFAULT_MAX_RESULT_DATA_BYTES
-from worker.execution import HandlerOutcome
-from worker.models import ToolCall, ToolResult
-from worker.policy import policy_of
-from worker.shaping import cap_content
-from worker.spill import SessionSpill
-from worker.tools import ToolSpec
+from toolchord.worker import errors
+from toolchord.worker.config import DEFAULT_MAX_RESULT_DATA_BYTES
+from toolchord.worker.execution import HandlerOutcome
+from toolchord.worker.models import ToolCall, ToolResult
+from toolchord.worker.policy import policy_of
+from toolchord.worker.shaping import cap_content
+from toolchord.worker.spill import SessionSpill
+from toolchord.worker.tools import ToolSpec
 
 # Partial output shown with TIMEOUT/crash errors is kept short: it is a clue, not the answer.
 _PARTIAL_OUTPUT_CHARS = 2_000

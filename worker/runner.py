@@ -9,16 +9,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from worker import errors
-from worker.config import DEFAULT_MAX_RESULT_DATA_BYTES
-from worker.context import ToolContext
-from worker.execution import HandlerOutcome
-from worker.models import ToolCall, ToolResult
-from worker.observability.hooks import observe_sandbox_run
-from worker.results import result_from_outcome
-from worker.sandbox import run_isolated
-from worker.spill import SessionSpill, SpillStore
-from worker.tools import ToolSpec
+from toolchord.worker import errors
+from toolchord.worker.config import DEFAULT_MAX_RESULT_DATA_BYTES
+from toolchord.worker.context import ToolContext
+from toolchord.worker.execution import HandlerOutcome
+from toolchord.worker.models import ToolCall, ToolResult
+from toolchord.worker.observability.hooks import observe_sandbox_run
+from toolchord.worker.results import result_from_outcome
+from toolchord.worker.sandbox import run_isolated
+from toolchord.worker.spill import SessionSpill, SpillStore
+from toolchord.worker.tools import ToolSpec
 
 
 def run_handler(

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from worker.models import Truncation
-from worker.redaction import well_formed
-from worker.spill import SessionSpill
+from toolchord.worker.models import Truncation
+from toolchord.worker.redaction import well_formed
+from toolchord.worker.spill import SessionSpill
 
 EMPTY_PLACEHOLDER = "(no output)"
 # Share of the budget given to the head; the tail usually holds the summary or the error.

@@ -19,8 +19,8 @@ from typing import Annotated, NamedTuple, Protocol
 import redis
 from pydantic import Field
 
-from worker.context import ToolContext
-from worker.tools import ToolSpec, tool
+from toolchord.worker.context import ToolContext
+from toolchord.worker.tools import ToolSpec, tool
 
 
 class SpillStore(Protocol):

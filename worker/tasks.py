@@ -22,19 +22,19 @@ from celery import Celery, Task
 from celery.exceptions import SoftTimeLimitExceeded
 from pydantic import ValidationError
 
-from worker import errors
-from worker.context import ToolContext
-from worker.execution import HandlerOutcome
-from worker.idempotency import Claim, ClaimState
-from worker.models import ErrorCode, SideEffect, ToolCall, ToolResult
-from worker.payloads import CallPayload
-from worker.policy import SIDE_EFFECT_POLICIES, policy_of
-from worker.results import result_from_outcome
-from worker.runner import run_handler, unavailable_tool_result
-from worker.soft_limit import soft_limit_held, soft_limit_live
-from worker.spill import SessionSpill
-from worker.tools import ToolSpec
-from worker.worker_runtime import WorkerRuntime, runtime_of
+from toolchord.worker import errors
+from toolchord.worker.context import ToolContext
+from toolchord.worker.execution import HandlerOutcome
+from toolchord.worker.idempotency import Claim, ClaimState
+from toolchord.worker.models import ErrorCode, SideEffect, ToolCall, ToolResult
+from toolchord.worker.payloads import CallPayload
+from toolchord.worker.policy import SIDE_EFFECT_POLICIES, policy_of
+from toolchord.worker.results import result_from_outcome
+from toolchord.worker.runner import run_handler, unavailable_tool_result
+from toolchord.worker.soft_limit import soft_limit_held, soft_limit_live
+from toolchord.worker.spill import SessionSpill
+from toolchord.worker.tools import ToolSpec
+from toolchord.worker.worker_runtime import WorkerRuntime, runtime_of
 
 log = logging.getLogger("toolchord.worker")
 
@@ -56,7 +56,7 @@ def backoff_seconds(retries: int, visibility_timeout: int) -> float:
 
 
 class DispatchedLike(Protocol):
-    """A call the orchestrator sent to the workers (orchestrator.turn.DispatchedCall)."""
+    """A call the orchestrator sent to the workers (toolchord.orchestrator.turn.DispatchedCall)."""
 
     @property
     def call(self) -> ToolCall: ...

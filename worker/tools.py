@@ -8,9 +8,9 @@ from typing import Any, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from worker.context import ToolContext
-from worker.models import Risk, SideEffect
-from worker.sandbox.profile import SandboxProfile
+from toolchord.worker.context import ToolContext
+from toolchord.worker.models import Risk, SideEffect
+from toolchord.worker.sandbox.profile import SandboxProfile
 
 DEFAULT_TRANSIENT: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
 

@@ -13,11 +13,11 @@ from celery import Celery
 from celery.concurrency.thread import TaskPool as ThreadTaskPool
 from celery.signals import worker_init, worker_process_init, worker_ready
 
-from worker.config import Settings
-from worker.idempotency import IdempotencyStore, LeaseRenewer, MemoryIdempotencyStore, RedisIdempotencyStore
-from worker.observability.hooks import ObservedStore
-from worker.registry import Registry
-from worker.spill import MemorySpillStore, RedisSpillStore, SpillStore, read_output_tool
+from toolchord.worker.config import Settings
+from toolchord.worker.idempotency import IdempotencyStore, LeaseRenewer, MemoryIdempotencyStore, RedisIdempotencyStore
+from toolchord.worker.observability.hooks import ObservedStore
+from toolchord.worker.registry import Registry
+from toolchord.worker.spill import MemorySpillStore, RedisSpillStore, SpillStore, read_output_tool
 
 _RUNTIMES: weakref.WeakSet[WorkerRuntime] = weakref.WeakSet()
 
@@ -84,7 +84,7 @@ class WorkerRuntime:
                 queues=sorted(self.queue(name) for name in queues_of(self.registry, self.settings)),
                 hostname="embedded@toolchord",
             )
-            from worker.sandbox import log_layers
+            from toolchord.worker.sandbox import log_layers
 
             log_layers()
             thread = threading.Thread(target=worker.start, name="toolchord-embedded-worker", daemon=True)
@@ -126,14 +126,14 @@ def runtime_of(app: Celery) -> WorkerRuntime:
     """The toolchord runtime attached to an app made by `create_app`."""
     runtime = getattr(app, "toolchord", None)
     if not isinstance(runtime, WorkerRuntime):
-        raise TypeError("this Celery app was not made by worker.create_app()")
+        raise TypeError("this Celery app was not made by toolchord.create_app()")
     return runtime
 
 
 @worker_init.connect
 def _probe_sandbox(**_: Any) -> None:
     # In the main process, before the pool forks: children reuse the cached probe.
-    from worker.sandbox import probe
+    from toolchord.worker.sandbox import probe
 
     probe()
 
@@ -141,7 +141,7 @@ def _probe_sandbox(**_: Any) -> None:
 @worker_ready.connect
 def _report_sandbox_layers(**_: Any) -> None:
     # Once logging is set up, so the line reaches the worker's log.
-    from worker.sandbox import log_layers
+    from toolchord.worker.sandbox import log_layers
 
     log_layers()
 
@@ -155,7 +155,7 @@ def _fresh_connections_after_fork(**_: Any) -> None:
 @worker_process_init.connect
 def _start_sandbox_zygote(**_: Any) -> None:
     # In the background, so the pool child reports to Celery in time; calls wait for it if needed.
-    from worker.sandbox import start_zygote
+    from toolchord.worker.sandbox import start_zygote
 
     start_zygote([m for runtime in _RUNTIMES for m in runtime.settings.tool_modules], wait=False)
 

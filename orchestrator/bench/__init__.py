@@ -1,1 +1,1 @@
-"""Benchmarks for toolchord (run as `python -m orchestrator.bench.<name>`)."""
+"""Benchmarks for toolchord (run as `python -m toolchord.orchestrator.bench.<name>`)."""

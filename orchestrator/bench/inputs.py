@@ -1,6 +1,6 @@
 """CPU cost of reading hostile model input: redaction, excerpts, argument checks, stream assembly.
 
-Run with `python -m orchestrator.bench.inputs [--sizes 1,10]` (megabytes). For each function that
+Run with `python -m toolchord.orchestrator.bench.inputs [--sizes 1,10]` (megabytes). For each function that
 reads model-supplied text it prints the CPU seconds for each size and the growth factor between
 the smallest and the largest: about the size ratio for a linear function (the unit tests in
 tests/test_linear_inputs.py enforce that; this prints the figures).
@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator.pipeline import prepare_call
-from orchestrator.providers import get_adapter
-from worker import Registry, ToolCall, tool
-from worker.redaction import excerpt, redact_text
-from worker.shaping import cap_content
+from toolchord.orchestrator.pipeline import prepare_call
+from toolchord.orchestrator.providers import get_adapter
+from toolchord.worker import Registry, ToolCall, tool
+from toolchord.worker.redaction import excerpt, redact_text
+from toolchord.worker.shaping import cap_content
 
 MB = 1_000_000
 

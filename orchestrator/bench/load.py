@@ -1,6 +1,6 @@
 """Load test: many concurrent sessions driven by ONE asyncio orchestrator against real workers.
 
-Run with `python -m orchestrator.bench.load` (or `toolchord bench load`); `--help` lists the knobs. Everything
+Run with `python -m toolchord.orchestrator.bench.load` (or `toolchord bench load`); `--help` lists the knobs. Everything
 runs on loopback: a private redis-server and W `celery worker --pool prefork` processes.
 
 Each scenario runs in its own Python process (so RSS figures are not polluted by the previous
@@ -35,15 +35,15 @@ import redis
 from kombu.utils.url import maybe_sanitize_url
 from pydantic import BaseModel, Field
 
-from orchestrator.bench.load_cluster import TOOL_MODULE, RedisProcess, WorkerProcess, worker_env
-from orchestrator.bench.load_ledger import CallOutcome, LedgerReport, check_ledger
-from orchestrator.bench.load_tools import EFFECTS_PREFIX, HELD_PREFIX, RELEASE_KEY, WORKER_NAME_ENV
-from orchestrator.runtime import Orchestrator
-from orchestrator.turn import TurnRecord, TurnResult
-from worker.celery_app import create_app
-from worker.config import Settings
-from worker.models import SideEffect, ToolCall
-from worker.registry import Provider, Registry
+from toolchord.orchestrator.bench.load_cluster import TOOL_MODULE, RedisProcess, WorkerProcess, worker_env
+from toolchord.orchestrator.bench.load_ledger import CallOutcome, LedgerReport, check_ledger
+from toolchord.orchestrator.bench.load_tools import EFFECTS_PREFIX, HELD_PREFIX, RELEASE_KEY, WORKER_NAME_ENV
+from toolchord.orchestrator.runtime import Orchestrator
+from toolchord.orchestrator.turn import TurnRecord, TurnResult
+from toolchord.worker.celery_app import create_app
+from toolchord.worker.config import Settings
+from toolchord.worker.models import SideEffect, ToolCall
+from toolchord.worker.registry import Provider, Registry
 
 _CLASSES: tuple[SideEffect, ...] = ("read", "idempotent", "unsafe")
 # How often the loop-lag probe wakes up: its overshoot is time the event loop was blocked.
@@ -420,7 +420,7 @@ def run_scenario(config: LoadConfig, workdir: Path | None = None) -> LoadReport:
 def _run_isolated(config: LoadConfig) -> LoadReport:
     """Run one scenario in a fresh Python process, so its RSS is its own."""
     proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator.bench.load", "--scenario-json", config.model_dump_json()],
+        [sys.executable, "-m", "toolchord.orchestrator.bench.load", "--scenario-json", config.model_dump_json()],
         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, check=False,
         timeout=config.max_seconds + 180,
     )

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import redis
 
-from orchestrator.bench import processes
-from orchestrator.bench.load_tools import LEDGER_URL_ENV, READY_PREFIX
-from orchestrator.bench.processes import ROOT, ProcessStartError, RedisServer
+from toolchord.orchestrator.bench import processes
+from toolchord.orchestrator.bench.load_tools import LEDGER_URL_ENV, READY_PREFIX
+from toolchord.orchestrator.bench.processes import ROOT, ProcessStartError, RedisServer
 
-TOOL_MODULE = "orchestrator.bench.load_tools"
+TOOL_MODULE = "toolchord.orchestrator.bench.load_tools"
 
 
 class RedisProcess(RedisServer):
@@ -62,7 +62,7 @@ class WorkerProcess(processes.WorkerProcess):
         self._redis.delete(ready_key)
         with self.log.open("ab") as handle:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.cli", "worker", "--concurrency", str(self.concurrency),
+                [sys.executable, "-m", "toolchord.orchestrator.cli", "worker", "--concurrency", str(self.concurrency),
                  "--queues", self.queues, "--hostname", self.hostname, "--loglevel", self.loglevel,
                  "--without-mingle", "--without-gossip", "--without-heartbeat"],
                 env=self.env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from worker.models import ErrorCode, SideEffect
-from worker.policy import policy_of
+from toolchord.worker.models import ErrorCode, SideEffect
+from toolchord.worker.policy import policy_of
 
 
 class CallOutcome(BaseModel):

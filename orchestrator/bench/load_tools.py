@@ -1,4 +1,4 @@
-"""Tools the load test runs on real workers (`TOOLCHORD_TOOL_MODULES=orchestrator.bench.load_tools`).
+"""Tools the load test runs on real workers (`TOOLCHORD_TOOL_MODULES=toolchord.orchestrator.bench.load_tools`).
 
 Every call counts its side effect in Redis under its `tag` (one tag per call of the load), so
 the ledger can tell how often each call really ran. `*_inproc` tools run in the pool process
@@ -19,8 +19,8 @@ from functools import cache
 import redis
 from celery.signals import worker_ready
 
-from worker import tool
-from worker.sandbox.profile import SandboxProfile
+from toolchord.worker import tool
+from toolchord.worker.sandbox.profile import SandboxProfile
 
 EFFECTS_PREFIX = "toolchord-bench:effects:"
 READY_PREFIX = "toolchord-bench:ready:"

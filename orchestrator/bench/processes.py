@@ -175,7 +175,7 @@ class WorkerProcess:
         with self.log.open("ab") as handle:
             # `toolchord worker` execs `celery worker --pool prefork --task-events` on toolchord's app.
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.cli", "worker", "--concurrency", str(self.concurrency),
+                [sys.executable, "-m", "toolchord.orchestrator.cli", "worker", "--concurrency", str(self.concurrency),
                  "--queues", self.queues, "--hostname", f"{self.name}@%h", "--loglevel", self.loglevel,
                  "--without-mingle", "--without-gossip"],
                 env=self.env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,

@@ -1,6 +1,6 @@
 """Per-call cost of the sandbox: run_isolated (zygote and direct fork) against calling in-process.
 
-Run with `python -m orchestrator.bench.sandbox [--calls N]`. Prints the active layers, the median time of a
+Run with `python -m toolchord.orchestrator.bench.sandbox [--calls N]`. Prints the active layers, the median time of a
 trivial handler called in-process, through the zygote and through a direct fork of this process,
 and the median overhead of each sandboxed path against the 5 ms target. The two sandboxed paths
 are sampled alternately, so load from other processes affects both alike. Last, the CPU time one
@@ -18,10 +18,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-from worker import ToolContext, call_handler, tool
-from worker.sandbox import describe_layers, run_isolated
-from worker.sandbox.zygote import set_zygote_enabled, start_zygote, zygote_pid
-from worker.tools import ToolSpec
+from toolchord.worker import ToolContext, call_handler, tool
+from toolchord.worker.sandbox import describe_layers, run_isolated
+from toolchord.worker.sandbox.zygote import set_zygote_enabled, start_zygote, zygote_pid
+from toolchord.worker.tools import ToolSpec
 
 TARGET_MS = 5.0
 
@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = parser.parse_args(argv)
     # Run as `python -m`, this file is __main__, which the zygote cannot import: take the tool
     # from the module imported by name, as a worker's tool modules are.
-    spec: ToolSpec = importlib.import_module("orchestrator.bench.sandbox").add
+    spec: ToolSpec = importlib.import_module("toolchord.orchestrator.bench.sandbox").add
     args = spec.args_model(a=2, b=3)
     context = ToolContext(
         call_id="bench",

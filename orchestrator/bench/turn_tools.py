@@ -11,7 +11,7 @@ from typing import Any
 
 from celery import shared_task
 
-from worker import tool
+from toolchord.worker import tool
 
 BARE_CALL_TASK = "bench.bare.call"
 BARE_COLLECT_TASK = "bench.bare.collect"

@@ -1,6 +1,6 @@
 """Turn latency and pipelined throughput of toolchord against a bare Celery chord of the same size.
 
-Run with `python -m orchestrator.bench.turns [--rounds R] [--sizes 1,4,16] [--concurrency C] [--json PATH]`
+Run with `python -m toolchord.orchestrator.bench.turns [--rounds R] [--sizes 1,4,16] [--concurrency C] [--json PATH]`
 (or `toolchord bench turns ...`). The script starts a private redis-server on a free loopback
 port and one prefork worker, runs every variant in the same process against the same Redis and
 worker, alternating variants turn by turn so they share the machine's noise, prints a table, and
@@ -47,16 +47,16 @@ import redis
 from celery import chord
 from pydantic import BaseModel, Field
 
-from orchestrator.bench.processes import RedisServer, WorkerProcess, worker_env
-from orchestrator.bench.turn_tools import BARE_CALL_TASK, BARE_COLLECT_TASK
-from orchestrator.runtime import Orchestrator
-from worker.celery_app import create_app
-from worker.config import Settings
-from worker.models import ToolCall
-from worker.redis_clients import scheme_of
-from worker.registry import Registry
+from toolchord.orchestrator.bench.processes import RedisServer, WorkerProcess, worker_env
+from toolchord.orchestrator.bench.turn_tools import BARE_CALL_TASK, BARE_COLLECT_TASK
+from toolchord.orchestrator.runtime import Orchestrator
+from toolchord.worker.celery_app import create_app
+from toolchord.worker.config import Settings
+from toolchord.worker.models import ToolCall
+from toolchord.worker.redis_clients import scheme_of
+from toolchord.worker.registry import Registry
 
-TOOL_MODULE = "orchestrator.bench.turn_tools"
+TOOL_MODULE = "toolchord.orchestrator.bench.turn_tools"
 QUEUE = "toolchord"
 P50_TARGET = 1.25
 THROUGHPUT_TARGET = 0.8
@@ -318,7 +318,7 @@ def measure_redis(runner: TurnRunner, client: redis.Redis, params: Parameters, w
 
 
 def environment(client: redis.Redis) -> Environment:
-    from worker.sandbox import describe_layers
+    from toolchord.worker.sandbox import describe_layers
 
     return Environment(
         cpu_count=os.cpu_count(),
@@ -526,7 +526,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Parameters, Path | None, str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `python -m orchestrator.bench.turns` and `toolchord bench turns`; returns the exit status."""
+    """Entry point of `python -m toolchord.orchestrator.bench.turns` and `toolchord bench turns`; returns the exit status."""
     params, json_path, broker_url = parse_args(argv)
     try:
         with _interrupt_on_sigterm(), tempfile.TemporaryDirectory(prefix="toolchord-bench-") as tmp:

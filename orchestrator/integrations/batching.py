@@ -18,9 +18,9 @@ import asyncio
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from orchestrator.runtime import Orchestrator
-from orchestrator.turn import TurnResult
-from worker.models import ToolCall, ToolResult
+from toolchord.orchestrator.runtime import Orchestrator
+from toolchord.orchestrator.turn import TurnResult
+from toolchord.worker.models import ToolCall, ToolResult
 
 DEFAULT_BATCH_WINDOW = 0.01
 """Seconds an invocation waits for the other calls of its model response before the turn starts."""

@@ -22,11 +22,11 @@ from langchain_core.messages import AIMessage, AnyMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig, RunnableLambda
 from pydantic import BaseModel
 
-from orchestrator.pipeline import PermissionHook
-from orchestrator.runtime import Orchestrator
-from worker.models import ToolCall, ToolResult
-from worker.registry import Registry
-from worker.tools import ToolSpec
+from toolchord.orchestrator.pipeline import PermissionHook
+from toolchord.orchestrator.runtime import Orchestrator
+from toolchord.worker.models import ToolCall, ToolResult
+from toolchord.worker.registry import Registry
+from toolchord.worker.tools import ToolSpec
 
 InputKind = Literal["dict", "list", "tool_calls"]
 
@@ -66,7 +66,7 @@ class ToolchordToolNode(RunnableLambda):
     Use it where `ToolNode` was: `graph.add_node("tools", ToolchordToolNode(registry))`; it reads
     the same inputs (a state with `messages`, a list of messages, or a list of tool-call dicts)
     and writes the same outputs (`{"messages": [ToolMessage, ...]}` or a list). Tools are
-    toolchord tools (`worker.tool`) in a `Registry`; bind `node.tool_schemas` to the chat model.
+    toolchord tools (`toolchord.tool`) in a `Registry`; bind `node.tool_schemas` to the chat model.
     Pass `orchestrator` to run on a Celery fleet (`Orchestrator(registry, create_app())`); with
     none, an embedded orchestrator is made from `tools`.
     """

@@ -3,7 +3,7 @@
 The server's tools are listed (over a short-lived session) when the registry is first used, in
 every process that uses it: the orchestrator (declarations, argument validation against each
 tool's input schema) and each worker (which runs the calls). A worker calls the server on the model's
-behalf through the session it keeps per server (`orchestrator.integrations.mcp_sessions`), so MCP
+behalf through the session it keeps per server (`toolchord.orchestrator.integrations.mcp_sessions`), so MCP
 tools run in the worker process, not in a sandbox child: the MCP server process is the boundary.
 
 Side-effect classes come from the tools' annotations (`side_effect_for`), overridable per tool.
@@ -20,13 +20,13 @@ from mcp import types
 from pydantic import BaseModel, ConfigDict, create_model, model_validator
 from pydantic_core import PydanticCustomError
 
-from orchestrator.integrations.mcp_sessions import SESSIONS, McpServer, list_tools, run_blocking
-from worker.context import ToolContext
-from worker.execution import ToolOutput
-from worker.models import SideEffect
-from worker.registry import Registry
-from worker.sandbox.profile import SandboxProfile
-from worker.tools import ToolSpec
+from toolchord.orchestrator.integrations.mcp_sessions import SESSIONS, McpServer, list_tools, run_blocking
+from toolchord.worker.context import ToolContext
+from toolchord.worker.execution import ToolOutput
+from toolchord.worker.models import SideEffect
+from toolchord.worker.registry import Registry
+from toolchord.worker.sandbox.profile import SandboxProfile
+from toolchord.worker.tools import ToolSpec
 
 DEFAULT_TIMEOUT = 30.0
 

@@ -15,11 +15,11 @@ from typing import Any
 from mcp import types
 from mcp.server.mcpserver import MCPServer
 
-from orchestrator.runtime import Orchestrator
-from worker.models import ToolCall, ToolResult
-from worker.policy import policy_of
-from worker.schema import parameters_schema
-from worker.tools import ToolSpec
+from toolchord.orchestrator.runtime import Orchestrator
+from toolchord.worker.models import ToolCall, ToolResult
+from toolchord.worker.policy import policy_of
+from toolchord.worker.schema import parameters_schema
+from toolchord.worker.tools import ToolSpec
 
 
 def _annotations(spec: ToolSpec) -> types.ToolAnnotations:

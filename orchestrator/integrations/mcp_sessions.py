@@ -26,7 +26,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from worker.execution import HandlerLost, HandlerTimeout
+from toolchord.worker.execution import HandlerLost, HandlerTimeout
 
 T = TypeVar("T")
 

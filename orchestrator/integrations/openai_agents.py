@@ -16,13 +16,13 @@ from agents import FunctionTool, RunConfig, Tool
 from agents.run_config import ToolErrorFormatterArgs
 from agents.tool_context import ToolContext
 
-from orchestrator.integrations.batching import DEFAULT_BATCH_WINDOW, TurnBatcher, with_late_results
-from orchestrator.pipeline import prepare_call
-from orchestrator.runtime import Orchestrator
-from worker.models import ToolCall, ToolResult
-from worker.registry import Registry
-from worker.schema import parameters_schema, strict_compatible
-from worker.tools import ToolSpec
+from toolchord.orchestrator.integrations.batching import DEFAULT_BATCH_WINDOW, TurnBatcher, with_late_results
+from toolchord.orchestrator.pipeline import prepare_call
+from toolchord.orchestrator.runtime import Orchestrator
+from toolchord.worker.models import ToolCall, ToolResult
+from toolchord.worker.registry import Registry
+from toolchord.worker.schema import parameters_schema, strict_compatible
+from toolchord.worker.tools import ToolSpec
 
 SessionId = str | Callable[[ToolContext[Any]], str]
 """The toolchord session of an invocation: fixed, or read from the SDK's tool context."""

@@ -23,12 +23,12 @@ from pydantic_ai.models import ModelRequestContext
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets import AbstractToolset, ToolsetTool
 
-from orchestrator.integrations.batching import DEFAULT_BATCH_WINDOW, TurnBatcher, with_late_results
-from orchestrator.pipeline import prepare_call
-from orchestrator.runtime import Orchestrator
-from worker.models import ToolCall, ToolResult
-from worker.registry import Registry
-from worker.schema import parameters_schema, strict_compatible
+from toolchord.orchestrator.integrations.batching import DEFAULT_BATCH_WINDOW, TurnBatcher, with_late_results
+from toolchord.orchestrator.pipeline import prepare_call
+from toolchord.orchestrator.runtime import Orchestrator
+from toolchord.worker.models import ToolCall, ToolResult
+from toolchord.worker.registry import Registry
+from toolchord.worker.schema import parameters_schema, strict_compatible
 
 SessionId = str | Callable[[RunContext[Any]], str]
 """The toolchord session of a call: fixed, or read from the run context."""

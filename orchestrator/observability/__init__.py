@@ -5,7 +5,7 @@ See docs/operations.md. Tracing needs the `otel` extra, metrics the `metrics` ex
 
 from __future__ import annotations
 
-from orchestrator.observability.metrics_app import metrics_app, metrics_asgi_app
-from orchestrator.observability.turns import observed_turn
+from toolchord.orchestrator.observability.metrics_app import metrics_app, metrics_asgi_app
+from toolchord.orchestrator.observability.turns import observed_turn
 
 __all__ = ["metrics_app", "metrics_asgi_app", "observed_turn"]

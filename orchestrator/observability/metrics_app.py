@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.observability.metrics import QueueDepthCollector, registry
-from worker.worker_runtime import queues_of
+from toolchord.worker.observability.metrics import QueueDepthCollector, registry
+from toolchord.worker.worker_runtime import queues_of
 
 
 def _registry(orchestrator: Any | None) -> Any:

@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from orchestrator.turn import TurnResult
-from worker.models import ErrorCode
-from worker.observability.metrics import metrics
-from worker.observability.tracing import set_attributes, span
+from toolchord.orchestrator.turn import TurnResult
+from toolchord.worker.models import ErrorCode
+from toolchord.worker.observability.metrics import metrics
+from toolchord.worker.observability.tracing import set_attributes, span
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -5,10 +5,10 @@ One adapter per provider API ("chat", "anthropic", "responses"); see docs/provid
 
 from __future__ import annotations
 
-from orchestrator.providers.anthropic_messages import AnthropicMessagesAdapter, AnthropicStreamAccumulator
-from orchestrator.providers.chat_completions import ChatCompletionsAdapter, ChatStreamAccumulator
-from orchestrator.providers.plain_data import parse_arguments
-from orchestrator.providers.protocol import (
+from toolchord.orchestrator.providers.anthropic_messages import AnthropicMessagesAdapter, AnthropicStreamAccumulator
+from toolchord.orchestrator.providers.chat_completions import ChatCompletionsAdapter, ChatStreamAccumulator
+from toolchord.orchestrator.providers.plain_data import parse_arguments
+from toolchord.orchestrator.providers.protocol import (
     AssistantText,
     PairingError,
     ProviderAdapter,
@@ -16,7 +16,7 @@ from orchestrator.providers.protocol import (
     ProviderName,
     StreamAccumulator,
 )
-from orchestrator.providers.responses_api import ResponsesAdapter, ResponsesStreamAccumulator
+from toolchord.orchestrator.providers.responses_api import ResponsesAdapter, ResponsesStreamAccumulator
 
 _ADAPTERS: dict[str, ProviderAdapter] = {
     "chat": ChatCompletionsAdapter(),

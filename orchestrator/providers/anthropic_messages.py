@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.providers.pairing import PairingEntry, check_entries
-from orchestrator.providers.plain_data import (
+from toolchord.orchestrator.providers.pairing import PairingEntry, check_entries
+from toolchord.orchestrator.providers.plain_data import (
     DeltaBuffer,
     as_list,
     as_mapping,
@@ -26,9 +26,9 @@ from orchestrator.providers.plain_data import (
     to_plain,
     without_nulls,
 )
-from orchestrator.providers.protocol import AssistantText, ProviderFormatError, ProviderName
-from worker.models import ToolCall, ToolResult
-from worker.registry import ToolDeclaration
+from toolchord.orchestrator.providers.protocol import AssistantText, ProviderFormatError, ProviderName
+from toolchord.worker.models import ToolCall, ToolResult
+from toolchord.worker.registry import ToolDeclaration
 
 INVALID_JSON_KEY = "INVALID_JSON"
 """A tool_use `input` must be an object. When streamed input is not a JSON object, the block keeps

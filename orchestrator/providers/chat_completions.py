@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.providers.pairing import PairingEntry, check_entries
-from orchestrator.providers.plain_data import (
+from toolchord.orchestrator.providers.pairing import PairingEntry, check_entries
+from toolchord.orchestrator.providers.plain_data import (
     DeltaFields,
     as_list,
     as_mapping,
@@ -25,9 +25,9 @@ from orchestrator.providers.plain_data import (
     to_plain,
     without_nulls,
 )
-from orchestrator.providers.protocol import AssistantText, PairingError, ProviderFormatError, ProviderName
-from worker.models import ToolCall, ToolResult
-from worker.registry import ToolDeclaration
+from toolchord.orchestrator.providers.protocol import AssistantText, PairingError, ProviderFormatError, ProviderName
+from toolchord.worker.models import ToolCall, ToolResult
+from toolchord.worker.registry import ToolDeclaration
 
 # Fields of a response message (and of its tool calls) that a request's assistant message does not
 # take: `parsed`, `index` and `parsed_arguments` come from the SDK's parse helpers and accumulator.

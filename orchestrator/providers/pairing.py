@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from orchestrator.providers.protocol import PairingError
+from toolchord.orchestrator.providers.protocol import PairingError
 
 PairingEntry = tuple[Literal["call", "result"], str, int]
 """(kind, call id, position of the message/item) for a call or a result in a rendered request."""

@@ -8,10 +8,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from orchestrator.providers.protocol import AssistantText, ProviderFormatError
-from worker.errors import json_problem
-from worker.models import ToolCall
-from worker.registry import ToolDeclaration
+from toolchord.orchestrator.providers.protocol import AssistantText, ProviderFormatError
+from toolchord.worker.errors import json_problem
+from toolchord.worker.models import ToolCall
+from toolchord.worker.registry import ToolDeclaration
 
 # Values under these keys are the model's own data (tool arguments): a null inside them is meaningful.
 OPAQUE_KEYS = frozenset({"input", "arguments"})

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from worker.models import ToolCall, ToolResult
-from worker.registry import Provider, ToolDeclaration
+from toolchord.worker.models import ToolCall, ToolResult
+from toolchord.worker.registry import Provider, ToolDeclaration
 
 ProviderName = Provider
 """The provider API an adapter speaks: "chat", "anthropic" or "responses" (same as worker.Provider)."""

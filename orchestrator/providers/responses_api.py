@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.providers.pairing import PairingEntry, check_entries
-from orchestrator.providers.plain_data import (
+from toolchord.orchestrator.providers.pairing import PairingEntry, check_entries
+from toolchord.orchestrator.providers.plain_data import (
     DeltaBuffer,
     as_list,
     as_mapping,
@@ -24,9 +24,9 @@ from orchestrator.providers.plain_data import (
     to_plain,
     without_nulls,
 )
-from orchestrator.providers.protocol import AssistantText, ProviderFormatError, ProviderName
-from worker.models import ToolCall, ToolResult
-from worker.registry import ToolDeclaration
+from toolchord.orchestrator.providers.protocol import AssistantText, ProviderFormatError, ProviderName
+from toolchord.worker.models import ToolCall, ToolResult
+from toolchord.worker.registry import ToolDeclaration
 
 # Output items the client must answer but cannot answer with a function_call_output.
 _UNSUPPORTED_CALL_ITEMS = frozenset({"custom_tool_call"})

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from orchestrator.ui.server import AUTH_ENV, TimelineServer
-from orchestrator.ui.session_view import (
+from toolchord.orchestrator.ui.server import AUTH_ENV, TimelineServer
+from toolchord.orchestrator.ui.session_view import (
     CallBar,
     SessionSummary,
     SessionView,

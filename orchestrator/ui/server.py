@@ -20,8 +20,8 @@ from urllib.parse import unquote
 
 from pydantic import BaseModel
 
-from orchestrator.eventlog import EventLog
-from orchestrator.ui.session_view import recent_sessions, session_view
+from toolchord.orchestrator.eventlog import EventLog
+from toolchord.orchestrator.ui.session_view import recent_sessions, session_view
 
 log = logging.getLogger("toolchord.ui")
 
@@ -34,7 +34,7 @@ _STATIC = {
 
 
 def _static(name: str) -> bytes:
-    return resources.files("orchestrator.ui").joinpath("static", name).read_bytes()
+    return resources.files("toolchord.orchestrator.ui").joinpath("static", name).read_bytes()
 
 
 class TimelineServer:

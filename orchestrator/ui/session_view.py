@@ -1,7 +1,7 @@
 """What the timeline page shows, assembled from the event log, the turn records and call timings.
 
 The event log gives each turn's calls in model order, the dispatch time and the results the model
-got; the workers' call timings (worker.observability.call_timeline) give when and where each call
+got; the workers' call timings (toolchord.worker.observability.call_timeline) give when and where each call
 ran; the turn record gives the idempotency keys of calls that never reached a worker.
 """
 
@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from orchestrator.eventlog import (
+from toolchord.orchestrator.eventlog import (
     CallParsed,
     CallResult,
     EventLog,
@@ -22,8 +22,8 @@ from orchestrator.eventlog import (
     RedisEventLog,
     TurnDispatched,
 )
-from orchestrator.turn_store import RedisTurnStore
-from worker.observability.call_timeline import CallTiming, read_timings
+from toolchord.orchestrator.turn_store import RedisTurnStore
+from toolchord.worker.observability.call_timeline import CallTiming, read_timings
 
 BarPhase = Literal["queued", "running", "retrying", "done"]
 

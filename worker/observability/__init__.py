@@ -5,10 +5,10 @@ All optional: without the `otel` / `metrics` extras the hooks do nothing. See do
 
 from __future__ import annotations
 
-from worker.observability.call_timeline import CallTiming, read_timings
-from worker.observability.hooks import ObservedStore, observe_sandbox_run
-from worker.observability.metrics import QueueDepthCollector, metrics
-from worker.observability.tracing import (
+from toolchord.worker.observability.call_timeline import CallTiming, read_timings
+from toolchord.worker.observability.hooks import ObservedStore, observe_sandbox_run
+from toolchord.worker.observability.metrics import QueueDepthCollector, metrics
+from toolchord.worker.observability.tracing import (
     TRACE_FILE_ENV,
     JsonLinesSpanExporter,
     configure_from_env,

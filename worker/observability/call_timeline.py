@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from worker.models import SideEffect
+from toolchord.worker.models import SideEffect
 
 PREFIX = "toolchord:calls:"
 

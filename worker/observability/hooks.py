@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from worker.execution import HandlerOutcome
-from worker.idempotency import Claim, IdempotencyStore
-from worker.observability.metrics import CLAIM_TAKEN, metrics
-from worker.observability.tracing import set_attributes, span
-from worker.tools import ToolSpec
+from toolchord.worker.execution import HandlerOutcome
+from toolchord.worker.idempotency import Claim, IdempotencyStore
+from toolchord.worker.observability.metrics import CLAIM_TAKEN, metrics
+from toolchord.worker.observability.tracing import set_attributes, span
+from toolchord.worker.tools import ToolSpec
 
 # Outcomes where the sandbox ended the handler rather than the handler returning.
 _KILLED = ("timeout", "crashed", "cancelled")

@@ -2,7 +2,7 @@
 
 Worker processes (prefork) write to PROMETHEUS_MULTIPROC_DIR, set by `toolchord worker
 --metrics-port`; the worker's main process serves the merged values. An orchestrator serves its
-own through `orchestrator.observability.metrics_app()`. docs/operations.md lists every metric.
+own through `toolchord.orchestrator.observability.metrics_app()`. docs/operations.md lists every metric.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 - `celeryd_after_setup` / `worker_process_init` / `worker_process_shutdown`: the metrics endpoint
   and the trace exporter of `toolchord worker`.
 
-Importing this module connects the receivers (worker.celery_app does).
+Importing this module connects the receivers (toolchord.worker.celery_app does).
 """
 
 from __future__ import annotations
@@ -30,18 +30,18 @@ from celery.signals import (
 )
 from pydantic import ValidationError
 
-from worker.observability.call_timeline import CallTiming, read_timing, save_timing
-from worker.observability.metrics import (
+from toolchord.worker.observability.call_timeline import CallTiming, read_timing, save_timing
+from toolchord.worker.observability.metrics import (
     QueueDepthCollector,
     mark_process_dead,
     metrics,
     result_code,
     start_server,
 )
-from worker.observability.tracing import OpenSpan, configure_from_env, inject
-from worker.payloads import CallPayload
-from worker.tasks import TASK_NAMES
-from worker.worker_runtime import WorkerRuntime, runtime_of
+from toolchord.worker.observability.tracing import OpenSpan, configure_from_env, inject
+from toolchord.worker.payloads import CallPayload
+from toolchord.worker.tasks import TASK_NAMES
+from toolchord.worker.worker_runtime import WorkerRuntime, runtime_of
 
 log = logging.getLogger("toolchord.observability")
 

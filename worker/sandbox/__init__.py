@@ -1,6 +1,6 @@
 """Sandboxed execution of handlers.
 
-`worker.tools` imports the profile from here while `runner` imports `worker.tools`, so the runner
+`toolchord.worker.tools` imports the profile from here while `runner` imports `toolchord.worker.tools`, so the runner
 and probe names are loaded on first access (PEP 562) to keep that import cycle from biting.
 """
 
@@ -9,29 +9,29 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from worker.sandbox.profile import Layer, SandboxProfile
+from toolchord.worker.sandbox.profile import Layer, SandboxProfile
 
 if TYPE_CHECKING:
-    from worker.sandbox.capabilities import (
+    from toolchord.worker.sandbox.capabilities import (
         LayerStatus,
         SandboxCapabilities,
         describe_layers,
         log_layers,
         probe,
     )
-    from worker.sandbox.runner import run_isolated
-    from worker.sandbox.zygote import start_zygote, stop_zygote, zygote_pid
+    from toolchord.worker.sandbox.runner import run_isolated
+    from toolchord.worker.sandbox.zygote import start_zygote, stop_zygote, zygote_pid
 
 _LAZY = {
-    "LayerStatus": "worker.sandbox.capabilities",
-    "SandboxCapabilities": "worker.sandbox.capabilities",
-    "describe_layers": "worker.sandbox.capabilities",
-    "log_layers": "worker.sandbox.capabilities",
-    "probe": "worker.sandbox.capabilities",
-    "run_isolated": "worker.sandbox.runner",
-    "start_zygote": "worker.sandbox.zygote",
-    "stop_zygote": "worker.sandbox.zygote",
-    "zygote_pid": "worker.sandbox.zygote",
+    "LayerStatus": "toolchord.worker.sandbox.capabilities",
+    "SandboxCapabilities": "toolchord.worker.sandbox.capabilities",
+    "describe_layers": "toolchord.worker.sandbox.capabilities",
+    "log_layers": "toolchord.worker.sandbox.capabilities",
+    "probe": "toolchord.worker.sandbox.capabilities",
+    "run_isolated": "toolchord.worker.sandbox.runner",
+    "start_zygote": "toolchord.worker.sandbox.zygote",
+    "stop_zygote": "toolchord.worker.sandbox.zygote",
+    "zygote_pid": "toolchord.worker.sandbox.zygote",
 }
 
 

@@ -18,9 +18,9 @@ import threading
 
 from pydantic import BaseModel, Field
 
-from worker.sandbox import cgroup, disk, landlock
-from worker.sandbox.profile import Layer, SandboxProfile
-from worker.sandbox.syscalls import (
+from toolchord.worker.sandbox import cgroup, disk, landlock
+from toolchord.worker.sandbox.profile import Layer, SandboxProfile
+from toolchord.worker.sandbox.syscalls import (
     CLONE_NEWNET,
     PR_SET_NO_NEW_PRIVS,
     drop_capabilities,
@@ -143,7 +143,7 @@ def _probe() -> SandboxCapabilities:
             available=abi > 0, detail=f"ABI {abi}" if abi else "not in this kernel"
         )
     try:
-        from worker.sandbox.seccomp_filter import compile_filter
+        from toolchord.worker.sandbox.seccomp_filter import compile_filter
 
         program = compile_filter(network=False)
     except Exception as exc:  # noqa: BLE001 - any failure of libseccomp means the layer is off

@@ -24,8 +24,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from worker.sandbox.limits import MIB
-from worker.sandbox.profile import SandboxProfile
+from toolchord.worker.sandbox.limits import MIB
+from toolchord.worker.sandbox.profile import SandboxProfile
 
 KILL_ROUNDS = 64
 """Read-and-kill passes before giving up on a call whose processes keep appearing."""

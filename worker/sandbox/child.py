@@ -1,7 +1,7 @@
 """What a forked sandbox child does: confine itself, run the handler, send the outcome as JSON.
 
-Runs only in a child forked by the zygote (`worker.sandbox.zygote_server`) or, on the direct path,
-by the worker (`worker.sandbox.runner`); it must never return into the forking process's code
+Runs only in a child forked by the zygote (`toolchord.worker.sandbox.zygote_server`) or, on the direct path,
+by the worker (`toolchord.worker.sandbox.runner`); it must never return into the forking process's code
 (every path ends in os._exit). File descriptors in the child have fixed numbers:
 0 /dev/null, 1 and 2 the output pipe, 3 the result pipe, 4 the cancel pipe, 5.. import roots.
 """
@@ -21,13 +21,13 @@ from typing import Literal, NoReturn
 
 from pydantic import BaseModel, ValidationError
 
-from worker.context import ToolContext
-from worker.execution import HandlerOutcome, call_handler
-from worker.sandbox import cgroup, disk, landlock
-from worker.sandbox.import_paths import ImportRoot, redirect_imports
-from worker.sandbox.limits import apply_rlimits, mapped_bytes
-from worker.sandbox.profile import Layer, SandboxProfile
-from worker.sandbox.syscalls import (
+from toolchord.worker.context import ToolContext
+from toolchord.worker.execution import HandlerOutcome, call_handler
+from toolchord.worker.sandbox import cgroup, disk, landlock
+from toolchord.worker.sandbox.import_paths import ImportRoot, redirect_imports
+from toolchord.worker.sandbox.limits import apply_rlimits, mapped_bytes
+from toolchord.worker.sandbox.profile import Layer, SandboxProfile
+from toolchord.worker.sandbox.syscalls import (
     CLONE_NEWNET,
     PR_SET_NO_NEW_PRIVS,
     PR_SET_PDEATHSIG,
@@ -37,7 +37,7 @@ from worker.sandbox.syscalls import (
     unshare,
     unshare_keeping_ids,
 )
-from worker.tools import ToolSpec
+from toolchord.worker.tools import ToolSpec
 
 RESULT_MAGIC = b"TCR1"
 """A result frame is RESULT_MAGIC, the JSON length as 8 bytes big-endian, then the JSON: the worker

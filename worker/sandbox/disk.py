@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
-from worker.sandbox.syscalls import (
+from toolchord.worker.sandbox.syscalls import (
     CLONE_NEWNS,
     MS_NODEV,
     MS_NOEXEC,

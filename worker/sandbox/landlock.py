@@ -16,7 +16,7 @@ import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from worker.sandbox.syscalls import syscall
+from toolchord.worker.sandbox.syscalls import syscall
 
 # The generic syscall table gives Landlock the same numbers on every architecture.
 SYS_LANDLOCK_CREATE_RULESET = 444

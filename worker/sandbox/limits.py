@@ -6,7 +6,7 @@ import math
 import os
 import resource
 
-from worker.sandbox.profile import SandboxProfile
+from toolchord.worker.sandbox.profile import SandboxProfile
 
 MIB = 1024 * 1024
 NO_CGROUP_MAX_PROCESSES = 8

@@ -57,13 +57,23 @@ def _compute() -> tuple[str, ...]:
         )
     )
     for name, module in list(sys.modules.items()):
-        # Top-level modules found through path hooks (editable installs) or the current
-        # directory: a package grants its directory, a single module only its file.
         origin = getattr(module, "__file__", None)
-        if "." not in name and origin:
-            origin = os.path.abspath(origin)
-            is_package = os.path.basename(origin).startswith("__init__.")
+        if not origin:
+            continue
+        origin = os.path.abspath(origin)
+        is_package = os.path.basename(origin).startswith("__init__.")
+        if "." not in name:
+            # Top-level modules found through path hooks (editable installs) or the current
+            # directory: a package grants its directory, a single module only its file.
             paths[os.path.dirname(origin) if is_package else origin] = None
+        if is_package:
+            # Landlock judges the file the kernel reaches, not the link on the way: a package
+            # reached through a symbolic link (`toolchord/worker` in a source checkout) is
+            # granted where it really lives.
+            package_dir = os.path.dirname(origin)
+            real = os.path.realpath(package_dir)
+            if real != package_dir:
+                paths[real] = None
     existing = sorted((p for p in paths if os.path.exists(p)), key=len)
     # A rule covers the whole subtree: nested entries only cost extra syscalls per call.
     kept: list[str] = []

@@ -1,6 +1,6 @@
 """Run one tool call in a sandboxed child process and turn its end into an outcome.
 
-The child is forked by this worker process's zygote (`worker.sandbox.zygote`): a clean
+The child is forked by this worker process's zygote (`toolchord.worker.sandbox.zygote`): a clean
 interpreter started with an allow-listed environment that imports only the tool modules, so the
 child's memory holds none of the worker's secrets, and forking it is cheaper than forking a large
 worker. Tools the zygote cannot import by name (defined in `__main__` or inside a function) or
@@ -8,7 +8,7 @@ load, and every call with the zygote switched off (TOOLCHORD_SANDBOX_ZYGOTE=0), 
 `os.fork` of the worker instead, with a warning (stdlib `multiprocessing` is not used: it refuses
 to start children from daemonic pool processes). A call whose zygote is down fails unrun
 (`SandboxUnavailable`, transient, started=False) rather than fall back to a fork of the worker.
-Both children apply the same layers (`worker.sandbox.child`) and the worker watches both the same
+Both children apply the same layers (`toolchord.worker.sandbox.child`) and the worker watches both the same
 way: output and result pipes, wall deadline, process-group kill.
 
 Residual risk of the direct fork: the child starts with a copy of the worker's memory, so
@@ -32,11 +32,11 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
-from worker.context import ToolContext
-from worker.execution import HandlerOutcome, call_handler
-from worker.sandbox import cgroup
-from worker.sandbox.capabilities import LAYERS, SandboxCapabilities, probe
-from worker.sandbox.child import (
+from toolchord.worker.context import ToolContext
+from toolchord.worker.execution import HandlerOutcome, call_handler
+from toolchord.worker.sandbox import cgroup
+from toolchord.worker.sandbox.capabilities import LAYERS, SandboxCapabilities, probe
+from toolchord.worker.sandbox.child import (
     RESULT_HEADER_BYTES,
     RESULT_MAGIC,
     SETUP_FAILED_STATUS,
@@ -44,26 +44,26 @@ from worker.sandbox.child import (
     ChildPlan,
     child_main,
 )
-from worker.sandbox.disk import secret_directories
-from worker.sandbox.import_paths import private_import_roots
-from worker.sandbox.limits import cpu_seconds
-from worker.sandbox.profile import Layer, SandboxProfile
-from worker.sandbox.read_paths import DEVICE_PATHS, code_read_paths
-from worker.sandbox.workdir import (
+from toolchord.worker.sandbox.disk import secret_directories
+from toolchord.worker.sandbox.import_paths import private_import_roots
+from toolchord.worker.sandbox.limits import cpu_seconds
+from toolchord.worker.sandbox.profile import Layer, SandboxProfile
+from toolchord.worker.sandbox.read_paths import DEVICE_PATHS, code_read_paths
+from toolchord.worker.sandbox.workdir import (
     Workdir,
     make_workdir,
     remove_workdir,
     remove_workdir_later,
 )
-from worker.sandbox.zygote import (
+from toolchord.worker.sandbox.zygote import (
     ZygoteToolError,
     ZygoteUnavailable,
     locate,
     zygote_client,
     zygote_enabled,
 )
-from worker.sandbox.zygote_protocol import CallPayload
-from worker.tools import ToolSpec
+from toolchord.worker.sandbox.zygote_protocol import CallPayload
+from toolchord.worker.tools import ToolSpec
 
 GRACE_SECONDS = 1.0
 """Time between SIGTERM and SIGKILL for the process group of a call that overran its timeout."""
@@ -383,7 +383,7 @@ class _Layers:
         available = caps.available()
         seccomp_program = None
         if "seccomp" in available:
-            from worker.sandbox.seccomp_filter import compile_filter
+            from toolchord.worker.sandbox.seccomp_filter import compile_filter
 
             seccomp_program = compile_filter(network=profile.network)
         return cls(

@@ -1,7 +1,7 @@
 """The worker's side of the sandbox zygote: start it, hand calls to its children, notice when it
 is gone.
 
-A zygote (`worker.sandbox.zygote_server`) is a clean `python -I` interpreter with an allow-listed
+A zygote (`toolchord.worker.sandbox.zygote_server`) is a clean `python -I` interpreter with an allow-listed
 environment that imports only the tool modules and forks one sandbox child per call, ahead of
 time (spare children). The worker sends each call straight to a spare; the child's memory holds
 none of the worker's secrets, and no fork happens on the call's path.
@@ -34,8 +34,8 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NoReturn
 
-from worker.registry import Registry
-from worker.sandbox.zygote_protocol import (
+from toolchord.worker.registry import Registry
+from toolchord.worker.sandbox.zygote_protocol import (
     MAX_MESSAGE_BYTES,
     OFFER_FD_COUNT,
     LoadReply,
@@ -46,8 +46,8 @@ from worker.sandbox.zygote_protocol import (
     ZygoteReply,
     ZygoteRequest,
 )
-from worker.sandbox.zygote_server import BOOTSTRAP
-from worker.tools import ToolSpec
+from toolchord.worker.sandbox.zygote_server import BOOTSTRAP
+from toolchord.worker.tools import ToolSpec
 
 ZYGOTE_ENV = "TOOLCHORD_SANDBOX_ZYGOTE"
 """Set to 0 (or false/off/no) to run every isolated call in a direct fork of the worker."""

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from worker.context import ToolContext
-from worker.sandbox.profile import SandboxProfile
+from toolchord.worker.context import ToolContext
+from toolchord.worker.sandbox.profile import SandboxProfile
 
 CALL_FD_COUNT = 4
 """Descriptors sent with each call: output, result and cancel pipes, payload memfd."""

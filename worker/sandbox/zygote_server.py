@@ -1,7 +1,7 @@
 """The zygote: a clean interpreter that forks one sandbox child per tool call.
 
 The worker starts it as `python -I` with only an allow-listed environment and no inherited
-descriptors but its control socket (`worker.sandbox.zygote`). It imports the trusted tool modules
+descriptors but its control socket (`toolchord.worker.sandbox.zygote`). It imports the trusted tool modules
 and toolchord's child code, nothing else of the worker: the broker URL, API keys and everything
 else the worker holds in memory or in its environment never exist in this process, so a forked
 child cannot read them from its copy of the heap.
@@ -39,13 +39,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NoReturn
 
-from worker.context import ToolContext
-from worker.registry import Registry
-from worker.sandbox.child import SETUP_FAILED_STATUS, ChildPlan, child_main, rehearse
-from worker.sandbox.import_paths import ImportRoot, private_import_roots
-from worker.sandbox.profile import SandboxProfile
-from worker.sandbox.read_paths import code_read_paths
-from worker.sandbox.syscalls import (
+from toolchord.worker.context import ToolContext
+from toolchord.worker.registry import Registry
+from toolchord.worker.sandbox.child import SETUP_FAILED_STATUS, ChildPlan, child_main, rehearse
+from toolchord.worker.sandbox.import_paths import ImportRoot, private_import_roots
+from toolchord.worker.sandbox.profile import SandboxProfile
+from toolchord.worker.sandbox.read_paths import code_read_paths
+from toolchord.worker.sandbox.syscalls import (
     CAP_SYS_ADMIN,
     CLONE_NEWPID,
     PR_SET_PDEATHSIG,
@@ -55,7 +55,7 @@ from worker.sandbox.syscalls import (
     unshare,
     unshare_keeping_ids,
 )
-from worker.sandbox.zygote_protocol import (
+from toolchord.worker.sandbox.zygote_protocol import (
     CALL_FD_COUNT,
     MAX_MESSAGE_BYTES,
     CallPayload,
@@ -67,14 +67,14 @@ from worker.sandbox.zygote_protocol import (
     ZygoteReply,
     ZygoteRequest,
 )
-from worker.tools import ToolSpec, tool
+from toolchord.worker.tools import ToolSpec, tool
 
 BOOTSTRAP = """\
 import json, socket, sys
 sock = socket.socket(fileno=int(sys.argv[1]))
 init = sock.recv(1 << 20)
 sys.path[:] = json.loads(init)["sys_path"]
-from worker.sandbox.zygote_server import serve
+from toolchord.worker.sandbox.zygote_server import serve
 serve(sock, init)
 """
 """What `python -I -c` runs: the import path comes from the worker before anything is imported."""
