@@ -499,3 +499,107 @@ def test_an_unsafe_tool_forging_not_started_is_not_run_again(
     assert result.attempts == 1 and result.error is not None, result
     assert result.error.code == ErrorCode.EXECUTION_ERROR
     assert int(clean_redis.get("tc-test:effects:forge")) == 1
+
+
+# -- System V IPC is the call's own ------------------------------------------------------------
+
+
+@pytest.fixture
+def ipc_key() -> Iterator[int]:
+    """A SysV IPC key no other test process uses; whatever a leaking call left under it is
+    removed afterwards."""
+    key = 0x7C000000 + os.getpid() % 0x100000
+    attacks.remove_sysv(key)
+    yield key
+    attacks.remove_sysv(key)
+
+
+def assert_host_has_no_ipc_object(key: int) -> None:
+    for reader in (attacks.read_shm, attacks.read_msg):
+        with pytest.raises(FileNotFoundError):
+            reader(key)
+
+
+def test_sysv_ipc_objects_end_with_the_call_that_made_them(ipc_key: int) -> None:
+    if "ipc" not in probe().available():
+        pytest.skip(f"no ipc layer here: {probe().ipc.detail}")
+    planted = run(attacks.plant_sysv_ipc, key=ipc_key, text="tenant A's data")
+    assert planted.status == "ok" and planted.data == {"shm": "ok", "msg": "ok"}, planted
+    assert "ipc" in planted.sandbox_layers, planted
+    # A later call (another tenant) finds nothing, and neither does the host.
+    later = run(attacks.read_sysv_ipc, key=ipc_key)
+    assert later.data == {"shm": "ENOENT", "msg": "ENOENT"}, later
+    assert_host_has_no_ipc_object(ipc_key)
+
+
+def test_without_an_ipc_namespace_seccomp_refuses_sysv_ipc(
+    ipc_key: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on a host where the call cannot have an IPC namespace of its own."""
+    from toolchord.worker.sandbox import capabilities
+
+    if "seccomp" not in probe().available():
+        pytest.skip("needs the seccomp layer")
+    caps = probe()
+    monkeypatch.setattr(capabilities, "_cached", caps.model_copy(
+        update={"ipc": caps.ipc.model_copy(update={"available": False, "detail": "off for this test"})}))
+    planted = run(attacks.plant_sysv_ipc, key=ipc_key, text="tenant A's data")
+    assert planted.data == {"shm": "EPERM", "msg": "EPERM"}, planted
+    assert "ipc" not in planted.sandbox_layers, planted
+    assert_host_has_no_ipc_object(ipc_key)
+
+
+def test_unprivileged_sysv_ipc_objects_end_with_the_call_that_made_them(
+    unprivileged_worker: Any, ipc_key: int
+) -> None:
+    _, (planted, later), code = unprivileged_worker(
+        [
+            ("plant_sysv_ipc", {"key": ipc_key, "text": "tenant A's data"}),
+            ("read_sysv_ipc", {"key": ipc_key}),
+        ]
+    )
+    assert code == 0 and planted["status"] == "ok", planted
+    # An IPC namespace of the call's own, or (user namespaces refused) seccomp says no.
+    if "ipc" in planted["sandbox_layers"]:
+        assert planted["data"] == {"shm": "ok", "msg": "ok"}, planted
+    else:
+        assert planted["data"] == {"shm": "EPERM", "msg": "EPERM"}, planted
+    assert later["data"] == {"shm": "ENOENT", "msg": "ENOENT"} or later["data"] == {
+        "shm": "EPERM", "msg": "EPERM"}, later
+    assert_host_has_no_ipc_object(ipc_key)
+
+
+# -- kernel interfaces Landlock does not mediate ----------------------------------------------
+
+
+def test_a_call_cannot_run_a_binary_from_a_memfd() -> None:
+    outcome = run(attacks.exec_from_memfd)
+    assert outcome.status == "ok", outcome
+    assert outcome.data == {"memfd": "EPERM", "execveat": "EPERM"}, outcome
+
+
+def test_a_call_cannot_watch_what_other_calls_create() -> None:
+    from toolchord.worker.sandbox.workdir import sandbox_root
+
+    outcome = run(attacks.watch_directories, paths=["/", "/etc", "/tmp", sandbox_root().path])
+    assert outcome.status == "ok", outcome
+    assert outcome.data == {"inotify": "EPERM", "fanotify": "EPERM"}, outcome
+
+
+def test_a_direct_fork_cannot_push_input_into_a_terminal() -> None:
+    set_zygote_enabled(False)  # a direct fork leads a session of its own: it can own a terminal
+    outcome = run(attacks.inject_terminal_input)
+    assert (outcome.status, outcome.content) == ("ok", "EPERM"), outcome
+
+
+# -- the worker decides which layers applied and whether an error is transient ----------------
+
+
+def test_a_handler_cannot_claim_layers_or_a_transient_failure() -> None:
+    honest = run(sandbox_tools.add, a=1, b=1)
+    outcome = run(attacks.forge_layers_and_transient)
+    assert (outcome.status, outcome.error_type) == ("error", "PermissionError"), outcome
+    assert outcome.transient is False, outcome
+    # No network namespace is made for a tool with the network on, whatever the frame says.
+    assert "netns" not in outcome.sandbox_layers, outcome
+    assert outcome.sandbox_layers == honest.sandbox_layers, (outcome, honest)

@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 from toolchord.worker.sandbox import cgroup, disk, landlock
 from toolchord.worker.sandbox.profile import Layer, SandboxProfile
 from toolchord.worker.sandbox.syscalls import (
+    CLONE_NEWIPC,
     CLONE_NEWNET,
     PR_SET_NO_NEW_PRIVS,
     drop_capabilities,
@@ -38,6 +39,7 @@ LAYERS: tuple[Layer, ...] = (
     "netns",
     "cgroup",
     "disk",
+    "ipc",
 )
 
 _lock = threading.Lock()
@@ -62,6 +64,7 @@ class SandboxCapabilities(BaseModel):
     netns: LayerStatus
     cgroup: LayerStatus
     disk: LayerStatus
+    ipc: LayerStatus
     landlock_abi: int = Field(default=0, description="Landlock ABI version (0: none).")
 
     def status(self, layer: Layer) -> LayerStatus:
@@ -192,6 +195,12 @@ def _probe() -> SandboxCapabilities:
     netns = _trial_status(
         trial, "netns", "loopback-only network namespace", "unshare failed"
     )
+    ipc = _trial_status(
+        trial,
+        "ipc",
+        "an IPC namespace per call (SysV IPC and POSIX message queues end with the call)",
+        "unshare failed (seccomp refuses SysV IPC and message queues instead)",
+    )
     return SandboxCapabilities(
         rlimits=rlimits,
         uid=uid,
@@ -200,6 +209,7 @@ def _probe() -> SandboxCapabilities:
         netns=netns,
         cgroup=cgroup_status,
         disk=disk_status,
+        ipc=ipc,
         landlock_abi=abi,
     )
 
@@ -232,8 +242,8 @@ def _probe_cgroup() -> tuple[cgroup.CallCgroup | None, LayerStatus]:
 def _try_in_child(
     abi: int, program: bytes | None, cgroup_procs: tuple[str, ...], mount_point: str
 ) -> dict[str, object]:
-    """Apply the cgroup, a private tmpfs, netns, Landlock and seccomp in a throwaway child and
-    report what held."""
+    """Apply the cgroup, a private tmpfs, netns, an IPC namespace, Landlock and seccomp in a
+    throwaway child and report what held."""
     read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:
@@ -255,15 +265,17 @@ def _try_in_child(
                     report["disk"] = True
                 except OSError as exc:
                     report["disk_error"] = str(exc)
-                try:
-                    unshare(CLONE_NEWNET)
-                    report["netns"] = True
-                except OSError as exc:
-                    report["netns_error"] = str(exc)
+                for layer, flag in (("netns", CLONE_NEWNET), ("ipc", CLONE_NEWIPC)):
+                    try:
+                        unshare(flag)
+                        report[layer] = True
+                    except OSError as exc:
+                        report[f"{layer}_error"] = str(exc)
                 if os.geteuid() != 0:
                     drop_capabilities()
             except OSError as exc:
-                report["disk_error"] = report["netns_error"] = f"user namespace: {exc}"
+                for layer in ("disk", "netns", "ipc"):
+                    report[f"{layer}_error"] = f"user namespace: {exc}"
             try:
                 prctl(PR_SET_NO_NEW_PRIVS, 1)
             except OSError as exc:

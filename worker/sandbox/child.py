@@ -24,10 +24,12 @@ from pydantic import BaseModel, ValidationError
 from toolchord.worker.context import ToolContext
 from toolchord.worker.execution import HandlerOutcome, call_handler
 from toolchord.worker.sandbox import cgroup, disk, landlock
+from toolchord.worker.sandbox.capabilities import LAYERS
 from toolchord.worker.sandbox.import_paths import ImportRoot, redirect_imports
 from toolchord.worker.sandbox.limits import apply_rlimits, mapped_bytes
 from toolchord.worker.sandbox.profile import Layer, SandboxProfile
 from toolchord.worker.sandbox.syscalls import (
+    CLONE_NEWIPC,
     CLONE_NEWNET,
     PR_SET_NO_NEW_PRIVS,
     PR_SET_PDEATHSIG,
@@ -43,6 +45,11 @@ RESULT_MAGIC = b"TCR1"
 """A result frame is RESULT_MAGIC, the JSON length as 8 bytes big-endian, then the JSON: the worker
 knows the result is complete without waiting for the child's exit or end of file."""
 RESULT_HEADER_BYTES = len(RESULT_MAGIC) + 8
+LAYERS_MARK = b"TCL1"
+"""Written on the result pipe once the child has confined itself, before the start mark (or its
+refusal) and before any of the tool's code: LAYERS_MARK and a 2-byte mask of the layers applied
+(bit i: LAYERS[i]). The worker reports these, never the layers a frame claims."""
+LAYERS_MARK_BYTES = len(LAYERS_MARK) + 2
 START_MARK = b"TCS1"
 """Written on the result pipe, before any of the tool's code (argument validators included) runs.
 The worker decides `HandlerOutcome.started` from it: a handler cannot take it back by writing a
@@ -85,7 +92,8 @@ class ChildPlan:
     them from this process's environment. `cgroup_join` are the files through which the child
     joins its call's cgroup before anything else (empty: no cgroup layer); `disk_quota` mounts the
     workdir as a tmpfs of the profile's `disk_mb` in a mount namespace of the call's own, where
-    `hidden_paths` (the worker's secret directories) are covered by empty ones. `process_group`
+    `hidden_paths` (the worker's secret directories and files) are covered by empty ones;
+    `ipc_namespace` gives the call SysV IPC and POSIX message queues of its own. `process_group`
     "own" makes the child only a process group leader: enough for the group kill when the forking
     process has no controlling terminal (the zygote), and much cheaper where the kernel creates a
     scheduler autogroup per session; "inherited" keeps the group of the call's pid namespace init,
@@ -114,6 +122,7 @@ class ChildPlan:
     cgroup_join: tuple[str, ...] = ()
     disk_quota: bool = False
     hidden_paths: tuple[str, ...] = ()
+    ipc_namespace: bool = False
 
     @property
     def profile(self) -> SandboxProfile:
@@ -273,15 +282,20 @@ def _drop_privileges(plan: ChildPlan) -> None:
 
 
 def _apply_namespaces(plan: ChildPlan, applied: list[Layer], failures: dict[Layer, str]) -> None:
-    """The `disk` and `netns` layers: a mount namespace with the workdir quota and the secrets
-    hidden, a network namespace without network.
+    """The `disk`, `netns` and `ipc` layers: a mount namespace with the workdir quota and the
+    secrets hidden, a network namespace without network, an IPC namespace whose objects end with
+    the call.
 
     A root worker's child creates them with its own privilege. An unprivileged worker's child
     first becomes the owner of a user namespace that maps only its own ids, which lets it create
     them and grants nothing outside them, and then gives up the capabilities it holds there: with
     them the call could unmount the tmpfs that covers the secrets.
     """
-    layers: tuple[tuple[Layer, bool], ...] = (("disk", plan.disk_quota), ("netns", plan.netns))
+    layers: tuple[tuple[Layer, bool], ...] = (
+        ("disk", plan.disk_quota),
+        ("netns", plan.netns),
+        ("ipc", plan.ipc_namespace),
+    )
     wanted = [layer for layer, on in layers if on]
     if not wanted:
         return
@@ -298,12 +312,13 @@ def _apply_namespaces(plan: ChildPlan, applied: list[Layer], failures: dict[Laye
             applied.append("disk")
         except OSError as exc:
             failures["disk"] = str(exc)
-    if plan.netns:
-        try:
-            unshare(CLONE_NEWNET)
-            applied.append("netns")
-        except OSError as exc:
-            failures["netns"] = str(exc)
+    for layer, on, flag in (("netns", plan.netns, CLONE_NEWNET), ("ipc", plan.ipc_namespace, CLONE_NEWIPC)):
+        if on:
+            try:
+                unshare(flag)
+                applied.append(layer)
+            except OSError as exc:
+                failures[layer] = str(exc)
     if unprivileged:
         drop_capabilities()  # raises rather than let the call run with them
 
@@ -373,6 +388,7 @@ def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
             applied.append("seccomp")
         except OSError as exc:
             failures["seccomp"] = str(exc)
+    _write_all(encode_layers(applied))
     missing = sorted(layer for layer in plan.required if layer not in applied)
     if missing:
         detail = "; ".join(
@@ -415,6 +431,18 @@ def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
         )
     outcome.sandbox_layers = list(applied)
     return outcome
+
+
+def encode_layers(applied: list[Layer]) -> bytes:
+    """The layers mark for `applied`."""
+    mask = sum(1 << LAYERS.index(layer) for layer in set(applied))
+    return LAYERS_MARK + mask.to_bytes(2, "big")
+
+
+def decode_layers(mark: bytes) -> list[str]:
+    """The layers a layers mark (LAYERS_MARK_BYTES long) names, in LAYERS order."""
+    mask = int.from_bytes(mark[len(LAYERS_MARK) : LAYERS_MARK_BYTES], "big")
+    return [layer for index, layer in enumerate(LAYERS) if mask & (1 << index)]
 
 
 class _CancelFlag:

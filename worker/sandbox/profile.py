@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Layer = Literal["rlimits", "uid", "landlock", "seccomp", "netns", "cgroup", "disk"]
+Layer = Literal["rlimits", "uid", "landlock", "seccomp", "netns", "cgroup", "disk", "ipc"]
 
 
 class SandboxProfile(BaseModel):

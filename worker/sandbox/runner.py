@@ -37,12 +37,15 @@ from toolchord.worker.execution import HandlerOutcome, call_handler
 from toolchord.worker.sandbox import cgroup
 from toolchord.worker.sandbox.capabilities import LAYERS, SandboxCapabilities, probe
 from toolchord.worker.sandbox.child import (
+    LAYERS_MARK,
+    LAYERS_MARK_BYTES,
     RESULT_HEADER_BYTES,
     RESULT_MAGIC,
     SETUP_FAILED_STATUS,
     START_MARK,
     ChildPlan,
     child_main,
+    decode_layers,
 )
 from toolchord.worker.sandbox.disk import secret_directories
 from toolchord.worker.sandbox.import_paths import private_import_roots
@@ -85,9 +88,9 @@ _unreaped_lock = threading.Lock()
 
 
 def requested_layers(profile: SandboxProfile) -> frozenset[Layer]:
-    """The layers a profile asks for: always rlimits, uid, seccomp, cgroup and disk; Landlock for
-    a confined filesystem or no network; a network namespace when the network is off."""
-    layers: set[Layer] = {"rlimits", "uid", "seccomp", "cgroup", "disk"}
+    """The layers a profile asks for: always rlimits, uid, seccomp, cgroup, disk and ipc; Landlock
+    for a confined filesystem or no network; a network namespace when the network is off."""
+    layers: set[Layer] = {"rlimits", "uid", "seccomp", "cgroup", "disk", "ipc"}
     if profile.filesystem == "confined" or not profile.network:
         layers.add("landlock")
     if not profile.network:
@@ -146,6 +149,20 @@ def run_isolated(
             error_type="SandboxError",
             error_message=f"could not start the sandbox: {type(exc).__name__}: {exc}",
         )
+
+
+def transient_type_names(spec: ToolSpec) -> frozenset[str]:
+    """Names of the exception types the tool declared transient and of their subclasses known to
+    this process: a child's error counts as transient when its type has one of these names (a
+    handler can always raise such an error, so naming one grants it nothing more)."""
+    names: set[str] = set()
+    pending: list[type[BaseException]] = list(spec.transient)
+    while pending:
+        kind = pending.pop()
+        if kind.__name__ not in names:
+            names.add(kind.__name__)
+            pending.extend(kind.__subclasses__())
+    return frozenset(names)
 
 
 def _unavailable(layers: list[Layer], reason: str) -> HandlerOutcome:
@@ -371,6 +388,7 @@ class _Layers:
     cgroup_join: tuple[str, ...]
     disk_quota: bool
     hidden_paths: tuple[str, ...]
+    ipc_namespace: bool
 
     @classmethod
     def plan(
@@ -385,7 +403,9 @@ class _Layers:
         if "seccomp" in available:
             from toolchord.worker.sandbox.seccomp_filter import compile_filter
 
-            seccomp_program = compile_filter(network=profile.network)
+            seccomp_program = compile_filter(
+                network=profile.network, ipc_namespace="ipc" in available
+            )
         return cls(
             drop_uid="uid" in available,
             netns=not profile.network and "netns" in available,
@@ -395,6 +415,7 @@ class _Layers:
             cgroup_join=call_cgroup.join_files if call_cgroup is not None else (),
             disk_quota="disk" in available,
             hidden_paths=secret_directories(workdir) if "disk" in available else (),
+            ipc_namespace="ipc" in available,
         )
 
 
@@ -481,6 +502,7 @@ def _start_in_zygote(
         cgroup_join=layers.cgroup_join,
         disk_quota=layers.disk_quota,
         hidden_paths=layers.hidden_paths,
+        ipc_namespace=layers.ipc_namespace,
     )
     try:
         return zygote_client().submit(
@@ -524,6 +546,7 @@ def _fork_worker(
         cgroup_join=layers.cgroup_join,
         disk_quota=layers.disk_quota,
         hidden_paths=layers.hidden_paths,
+        ipc_namespace=layers.ipc_namespace,
     )
     pid = os.fork()
     if pid == 0:
@@ -581,6 +604,9 @@ class _Watch:
         # Set by the worker only: the child wrote START_MARK, so the tool's code may have run.
         self.handler_started = False
         self.start_checked = False
+        # The layers the child applied, from its layers mark (written before any tool code).
+        self.applied_layers: list[str] | None = None
+        self.layers_checked = False
         self.kill_reason: tuple[str, str] | None = None
         self.timed_out = False
         self.cancelled = False
@@ -736,6 +762,13 @@ class _Watch:
         return True
 
     def _check_start(self) -> None:
+        if not self.layers_checked:
+            if len(self.result) < LAYERS_MARK_BYTES:
+                return
+            self.layers_checked = True
+            if self.result.startswith(LAYERS_MARK):
+                self.applied_layers = decode_layers(bytes(self.result[:LAYERS_MARK_BYTES]))
+                del self.result[:LAYERS_MARK_BYTES]
         if self.start_checked or len(self.result) < len(START_MARK):
             return
         self.start_checked = True
@@ -791,8 +824,12 @@ class _Watch:
             else:
                 reported.output = output
                 # Never the child's word: a hostile handler would claim "not started" to have an
-                # unsafe call run again.
+                # unsafe call run again, a layer that was never applied, or a transient failure.
                 reported.started = self.handler_started
+                reported.sandbox_layers = self._layers(planned_layers)
+                reported.transient = reported.status == "error" and (
+                    reported.error_type in transient_type_names(self.spec)
+                )
                 return reported
         else:
             outcome = self._parent_verdict()
@@ -800,8 +837,12 @@ class _Watch:
         outcome.started = self.handler_started
         outcome.output = output
         outcome.duration_ms = (time.monotonic() - self.started) * 1000
-        outcome.sandbox_layers = planned_layers
+        outcome.sandbox_layers = self._layers(planned_layers)
         return outcome
+
+    def _layers(self, planned_layers: list[str]) -> list[str]:
+        """The child's layers mark; what it was set up to apply if it ended before writing one."""
+        return planned_layers if self.applied_layers is None else self.applied_layers
 
     def _parent_verdict(self) -> HandlerOutcome:
         if self.kill_reason is not None:

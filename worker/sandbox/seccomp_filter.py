@@ -1,8 +1,9 @@
 """The seccomp filter of a sandbox child: built once with libseccomp, loaded per child as raw BPF.
 
 Importing pyseccomp and compiling a filter costs tens of milliseconds, loading a compiled program
-costs microseconds; so each worker process compiles the two variants (network on/off) once, keeps
-the BPF bytes, and a forked child only hands them to prctl(PR_SET_SECCOMP).
+costs microseconds; so each worker process compiles each variant it needs (network on/off, SysV IPC
+allowed or not) once, keeps the BPF bytes, and a forked child only hands them to
+prctl(PR_SET_SECCOMP).
 
 The default action is allow; the listed calls fail with EPERM so a handler sees a clear
 PermissionError instead of being killed. The filter only lists the native architecture, so
@@ -56,6 +57,35 @@ DENIED_CALLS: tuple[str, ...] = (
     "process_madvise",
     "process_mrelease",
     "kcmp",
+    # Watching directories shows the names of files other calls (and the host) create in the
+    # paths a call may read (/tmp, /etc, the sandbox root); Landlock does not mediate watches.
+    "inotify_init",
+    "inotify_init1",
+    "fanotify_init",
+)
+
+# System V IPC and POSIX message queues live in the IPC namespace, not in the filesystem: without
+# an IPC namespace of the call's own (the `ipc` layer), objects a call creates outlive it and
+# other calls (other sessions) can attach them, so these calls are refused instead.
+IPC_CALLS: tuple[str, ...] = (
+    "shmget",
+    "shmat",
+    "shmdt",
+    "shmctl",
+    "msgget",
+    "msgsnd",
+    "msgrcv",
+    "msgctl",
+    "semget",
+    "semop",
+    "semtimedop",
+    "semctl",
+    "mq_open",
+    "mq_unlink",
+    "mq_timedsend",
+    "mq_timedreceive",
+    "mq_notify",
+    "mq_getsetattr",
 )
 
 # Calls whose first argument names the target process, 0 meaning the caller: any other value
@@ -78,6 +108,16 @@ _LOW_32 = 0xFFFFFFFF
 _SIGN_32 = 0x80000000
 CLONE_PARENT = 0x00008000
 """A child made with CLONE_PARENT would be the zygote's (or worker's) child, left as a zombie."""
+AT_EMPTY_PATH = 0x1000
+"""execveat(fd, "", ..., AT_EMPTY_PATH) runs the file behind a descriptor: a memfd holding a
+binary the call brought, which no Landlock path rule covers."""
+MFD_NOEXEC_SEAL = 0x0008
+"""memfd_create must ask for a memfd that can never be executed: an executable one would run a
+binary the call brought through /proc/self/fd/N, a path Landlock does not see (kernels before 6.3
+know no such flag and refuse it: there memfd_create fails)."""
+# ioctl requests that push input into a terminal (TIOCSTI) or act on the console (TIOCLINUX):
+# a call that gets hold of a terminal would type commands into its owner's shell.
+TERMINAL_INJECTION_IOCTLS: tuple[int, ...] = (0x5412, 0x541C)
 
 _CLONE_NAMESPACE_FLAGS = (
     0x00020000,  # CLONE_NEWNS
@@ -90,27 +130,33 @@ _CLONE_NAMESPACE_FLAGS = (
 )
 
 _lock = threading.Lock()
-_programs: dict[bool, bytes] = {}
+_programs: dict[tuple[bool, bool], bytes] = {}
 
 
-def compile_filter(network: bool) -> bytes:
-    """The BPF program for a child with or without network access (cached per process)."""
+def compile_filter(network: bool, ipc_namespace: bool = True) -> bytes:
+    """The BPF program for a child with or without network access, in an IPC namespace of its
+    own or not (then SysV IPC and POSIX message queues are refused); cached per process."""
+    key = (network, ipc_namespace)
     with _lock:
-        if network not in _programs:
-            _programs[network] = _build(network)
-        return _programs[network]
+        if key not in _programs:
+            _programs[key] = _build(network, ipc_namespace)
+        return _programs[key]
 
 
-def _build(network: bool) -> bytes:
+def _build(network: bool, ipc_namespace: bool) -> bytes:
     import pyseccomp as seccomp
 
     deny = seccomp.ERRNO(errno.EPERM)
     filt = seccomp.SyscallFilter(seccomp.ALLOW)
-    for name in DENIED_CALLS:
+    for name in (*DENIED_CALLS, *(() if ipc_namespace else IPC_CALLS)):
         try:
             filt.add_rule(deny, name)
         except (OSError, ValueError):
             continue  # a call this architecture does not have
+    filt.add_rule(deny, "execveat", seccomp.Arg(4, seccomp.MASKED_EQ, AT_EMPTY_PATH, AT_EMPTY_PATH))
+    filt.add_rule(deny, "memfd_create", seccomp.Arg(1, seccomp.MASKED_EQ, MFD_NOEXEC_SEAL, 0))
+    for request in TERMINAL_INJECTION_IOCTLS:
+        filt.add_rule(deny, "ioctl", seccomp.Arg(1, seccomp.MASKED_EQ, _LOW_32, request))
     for flag in (*_CLONE_NAMESPACE_FLAGS, CLONE_PARENT):
         filt.add_rule(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     for name in OWN_PROCESS_ONLY:

@@ -119,7 +119,10 @@ class CallPayload(BaseModel):
         default=False, description="Mount the workdir as a tmpfs of the profile's disk_mb."
     )
     hidden_paths: tuple[str, ...] = Field(
-        default=(), description="Directories covered by an empty tmpfs (with disk_quota)."
+        default=(), description="Secret directories and files covered by empty ones (with disk_quota)."
+    )
+    ipc_namespace: bool = Field(
+        default=False, description="Give the call an IPC namespace of its own."
     )
 
 

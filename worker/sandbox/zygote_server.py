@@ -611,6 +611,7 @@ def _plan(
         cgroup_join=payload.cgroup_join,
         disk_quota=payload.disk_quota,
         hidden_paths=payload.hidden_paths,
+        ipc_namespace=payload.ipc_namespace,
         # Already a group leader, in the zygote's session, which has no controlling terminal.
         process_group="own",
     )
