@@ -7,6 +7,7 @@ Errors found here never reach a worker: they become results directly (DESIGN.md 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -61,6 +62,20 @@ def parse_arguments(call: ToolCall) -> dict[str, Any] | ToolResult:
         return load_arguments(call.arguments_raw)
     except ArgumentsProblem as problem:
         return errors.error_result(call, errors.invalid_json(call, str(problem)))
+
+
+def _non_finite_numbers(value: Any, path: tuple[int | str, ...] = ()) -> list[dict[str, Any]]:
+    """pydantic error entries for the numbers JSON text overflowed to infinity (1e400, -1e400):
+    no tool can use them, and they cannot be passed on as JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [{"type": "finite_number", "loc": path, "input": value}]
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return []
+    return [entry for key, item in items for entry in _non_finite_numbers(item, (*path, key))]
 
 
 def check_permission(call: ToolCall, spec: ToolSpec, hook: PermissionHook | None) -> ToolResult | None:
@@ -123,6 +138,9 @@ def prepare_call(
     if isinstance(parsed, ToolResult):
         return parsed
     try:
+        overflowed = _non_finite_numbers(parsed)
+        if overflowed:
+            raise ValidationError.from_exception_data(spec.args_model.__name__, overflowed)  # type: ignore[arg-type]
         validated = spec.args_model.model_validate(parsed)
     except ValidationError as exc:
         return errors.error_result(call, errors.invalid_arguments(call.model_copy(update={"arguments": parsed}), exc))

@@ -144,9 +144,15 @@ def echo(text: str, times: int = 1) -> str:
     return text * times
 
 
+@tool(side_effect="read", sandbox={"isolate": False})
+def scale(factor: float, tags: dict[str, Any] | None = None) -> float:
+    """Multiply by two (in-process): takes any JSON number, and free-form data."""
+    return factor * 2
+
+
 ALL_TOOLS = [
     read_file, list_dir, write_file, explode, silent, flood, fetch_async, fetch_sync, whoami, pay,
-    weather_dict, weather_model, weather_output, deploy, send_mail, login, echo,
+    weather_dict, weather_model, weather_output, deploy, send_mail, login, echo, scale,
 ]
 
 

@@ -76,6 +76,24 @@ def test_nan_is_not_json(pipeline: Pipeline, provider: Provider) -> None:
     assert "NaN" in result.content
 
 
+@pytest.mark.parametrize(("raw", "field"), [
+    ('{"factor": 1e400}', "factor"),
+    ('{"factor": 2, "tags": {"limits": [1, -1e400]}}', "tags.limits.1"),
+])
+def test_numbers_too_large_for_a_float_are_invalid_arguments(
+    pipeline: Pipeline, provider: Provider, raw: str, field: str
+) -> None:
+    # JSON has no size limit on numbers; 1e400 reads as infinity, which no tool can use.
+    result = t.run_one(pipeline, provider, "scale", raw)
+    assert result.error is not None and result.attempts == 0, result
+    if provider == "anthropic":
+        # Arguments arrive as an object there: the SDK's infinity is written back as Infinity.
+        assert result.error.code is ErrorCode.INVALID_JSON and "Infinity" in result.content, result
+        return
+    assert result.error.code is ErrorCode.INVALID_ARGUMENTS, result
+    assert f"- {field}:" in result.content and "finite" in result.content, result.content
+
+
 def test_missing_field(pipeline: Pipeline, provider: Provider) -> None:
     result = t.run_one(pipeline, provider, "write_file", {"path": "a.txt"})
     assert result.error is not None and result.error.code is ErrorCode.INVALID_ARGUMENTS
