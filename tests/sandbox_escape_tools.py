@@ -439,3 +439,13 @@ def forge_layers_and_transient() -> str:
     ).encode()
     os.write(3, b"TCR1" + len(forged).to_bytes(8, "big") + forged)
     return "unreachable"
+
+
+@tool(timeout=5, sandbox=SandboxProfile(filesystem="open"))
+def read_secret_file(path: str) -> str:
+    """Read a file of the worker's (a `*_FILE` secret): its text, or the errno name."""
+    try:
+        with open(path) as handle:
+            return handle.read()
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno or 0, str(exc.errno))

@@ -269,6 +269,16 @@ OPEN_FS = SandboxProfile(filesystem="open")
 
 
 @tool(timeout=5, sandbox=OPEN_FS)
+def rename_own_workdir(to: str, ctx: ToolContext) -> str:
+    """Move the call's workdir away (into the sandbox root's parent, say), so that a cleanup by
+    name finds nothing to remove."""
+    assert ctx.workdir is not None
+    os.chdir("/")
+    os.rename(ctx.workdir, to)
+    return "renamed"
+
+
+@tool(timeout=5, sandbox=OPEN_FS)
 def replace_own_workdir(ctx: ToolContext) -> str:
     """Delete the call's own workdir and put a fresh directory in its place."""
     import shutil

@@ -603,3 +603,21 @@ def test_a_handler_cannot_claim_layers_or_a_transient_failure() -> None:
     # No network namespace is made for a tool with the network on, whatever the frame says.
     assert "netns" not in outcome.sandbox_layers, outcome
     assert outcome.sandbox_layers == honest.sandbox_layers, (outcome, honest)
+
+
+@pytest.mark.skipif("disk" not in probe().available(), reason="needs the disk layer")
+def test_a_secret_file_next_to_the_sandbox_root_is_covered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its directory holds every workdir, so it cannot be hidden: the file itself is."""
+    from toolchord.worker.sandbox.workdir import sandbox_root
+
+    directory = os.path.dirname(sandbox_root().path)
+    fd, path = tempfile.mkstemp(prefix="toolchord-test-secret-", dir=directory)
+    try:
+        os.write(fd, b"redis://toolchord:hunter2@redis:6379/0")
+        os.close(fd)
+        os.chmod(path, 0o644)
+        monkeypatch.setenv("TOOLCHORD_BROKER_URL_FILE", path)
+        outcome = run(attacks.read_secret_file, path=path)
+        assert outcome.status == "ok" and "hunter2" not in (outcome.content or ""), outcome
+    finally:
+        os.unlink(path)

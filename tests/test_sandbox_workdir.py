@@ -106,6 +106,16 @@ def test_unprivileged_worker_whose_handler_swaps_its_workdir(host_tmp: Path, out
 
 
 @ROOT_ONLY
+def test_unprivileged_worker_removes_a_workdir_its_handler_moved_away(host_tmp: Path) -> None:
+    moved = host_tmp / "moved-workdir"
+    outcome = run_unprivileged("rename_own_workdir", without=("disk",), to=str(moved))
+    assert (outcome.status, outcome.content) == ("ok", "renamed"), outcome
+    wait_for_removals()
+    assert not moved.exists()
+    assert list((host_tmp / f"toolchord-sandbox-{WORKER_UID}").iterdir()) == []
+
+
+@ROOT_ONLY
 def test_unprivileged_worker_with_the_disk_layer_keeps_its_workdir(host_tmp: Path, outside: Path) -> None:
     if user_namespaces_refused():
         pytest.skip("this kernel refuses an ordinary user a user namespace")

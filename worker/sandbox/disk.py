@@ -11,7 +11,9 @@ call's `memory_mb` too.
 The same namespace hides the worker's secrets: an empty read-only tmpfs is mounted over the
 directories deployments put them in (`/run/secrets`, `/var/run/secrets`, systemd's credentials)
 and over the directory of every `*_FILE` setting of the worker, so that even a call with
-`filesystem="open"` cannot read them, whatever their file modes.
+`filesystem="open"` cannot read them, whatever their file modes. A `*_FILE` whose directory
+cannot be hidden (it holds the workdir or the interpreter, e.g. the system temporary directory,
+or it is `/`) has the file itself covered by `/dev/null`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 
 from toolchord.worker.sandbox.syscalls import (
     CLONE_NEWNS,
+    MS_BIND,
     MS_NODEV,
     MS_NOEXEC,
     MS_NOSUID,
@@ -36,15 +39,14 @@ SECRET_DIRECTORIES: tuple[str, ...] = ("/run/secrets", "/var/run/secrets", "/run
 
 
 def secret_directories(workdir: str) -> tuple[str, ...]:
-    """Existing directories to hide from a call: SECRET_DIRECTORIES, `$CREDENTIALS_DIRECTORY` and
-    the directory of every `*_FILE` variable of this process, except any that holds the workdir
-    or the interpreter (hiding those would break the call)."""
-    candidates = [*SECRET_DIRECTORIES, os.environ.get("CREDENTIALS_DIRECTORY", "")]
-    candidates += [
-        os.path.dirname(value)
-        for name, value in os.environ.items()
-        if name.endswith("_FILE") and os.path.isabs(value)
+    """Existing paths to hide from a call: SECRET_DIRECTORIES, `$CREDENTIALS_DIRECTORY` and the
+    directory of every `*_FILE` variable of this process, except any that holds the workdir or
+    the interpreter (hiding those would break the call): then the `*_FILE` file itself."""
+    secret_files = [
+        value for name, value in os.environ.items() if name.endswith("_FILE") and os.path.isabs(value)
     ]
+    candidates = [*SECRET_DIRECTORIES, os.environ.get("CREDENTIALS_DIRECTORY", "")]
+    candidates += [os.path.dirname(value) for value in secret_files]
     needed = [os.path.realpath(p) for p in (workdir, sys.prefix, sys.base_prefix)]
     found: list[str] = []
     for candidate in candidates:
@@ -56,19 +58,27 @@ def secret_directories(workdir: str) -> tuple[str, ...]:
         if any(path == real or path.startswith(real + "/") for path in needed):
             continue
         found.append(real)
+    for value in secret_files:
+        real = os.path.realpath(value)
+        covered = any(real.startswith(directory + "/") for directory in found)
+        if os.path.isfile(real) and not covered and real not in found:
+            found.append(real)
     return tuple(found)
 
 
 def mount_workdir(path: str, size_mb: int, hidden: tuple[str, ...] = ()) -> None:
-    """In the child: a private mount namespace with a `size_mb` tmpfs on `path` (mode 0700) and an
-    empty read-only tmpfs over each of `hidden`."""
+    """In the child: a private mount namespace with a `size_mb` tmpfs on `path` (mode 0700), an
+    empty read-only tmpfs over each directory of `hidden` and `/dev/null` over each file."""
     unshare(CLONE_NEWNS)
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size_mb}m,mode=0700")
-    for directory in hidden:
+    for hidden_path in hidden:
+        if not os.path.isdir(hidden_path):
+            mount("/dev/null", hidden_path, None, MS_BIND)
+            continue
         mount(
             "tmpfs",
-            directory,
+            hidden_path,
             "tmpfs",
             MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
             "size=4k,mode=0555",

@@ -8,7 +8,9 @@ by other users so that the per-call uids reach their own workdir.
 
 Removal works on descriptors from that root down (`openat`/`unlinkat`, `O_NOFOLLOW`): whatever the
 handler left behind (its workdir removed, renamed, replaced by a symlink, directories of mode 0),
-nothing above or outside the call's own workdir is ever changed.
+nothing above or outside the call's own workdir is ever changed. A workdir the handler moved
+elsewhere (possible when the call has the worker's uid and no disk layer) is found again through
+a descriptor held on it since its creation, and removed where it now is.
 """
 
 from __future__ import annotations
@@ -52,10 +54,12 @@ class SandboxRoot:
 
 @dataclass(frozen=True)
 class Workdir:
-    """One call's working directory: `path` for the child, (root, name) for the removal."""
+    """One call's working directory: `path` for the child, (root, name) for the removal, and a
+    descriptor `fd` on the directory itself, to find it wherever the call moved it."""
 
     root: SandboxRoot
     name: str
+    fd: int
 
     @property
     def path(self) -> str:
@@ -123,7 +127,7 @@ def make_workdir() -> Workdir:
             os.mkdir(name, 0o700, dir_fd=root.fd)
         except FileExistsError:
             continue
-        return Workdir(root=root, name=name)
+        return Workdir(root=root, name=name, fd=os.open(name, _DIR_FLAGS, dir_fd=root.fd))
 
 
 def remove_workdir(workdir: Workdir) -> bool:
@@ -133,11 +137,44 @@ def remove_workdir(workdir: Workdir) -> bool:
     other non-directory) left under the workdir's name is unlinked, not followed.
     """
     try:
-        _remove_entry(workdir.root.fd, workdir.name)
+        parent_fd, name = _where_now(workdir)
+        try:
+            _remove_entry(parent_fd, name)
+        finally:
+            if parent_fd != workdir.root.fd:
+                os.close(parent_fd)
     except OSError as exc:
         _log.warning("could not remove sandbox workdir %s: %s", workdir.path, exc)
         return False
+    os.close(workdir.fd)
     return True
+
+
+def _where_now(workdir: Workdir) -> tuple[int, str]:
+    """(parent descriptor, name) of the workdir: its place in the root, or wherever the call moved
+    it on the same filesystem, as the kernel names the directory behind `workdir.fd`. Only an
+    entry that is that very directory is returned; anything else under the name is the root's."""
+    own = os.fstat(workdir.fd)
+    try:
+        current = os.stat(workdir.name, dir_fd=workdir.root.fd, follow_symlinks=False)
+        if (current.st_dev, current.st_ino) == (own.st_dev, own.st_ino):
+            return workdir.root.fd, workdir.name
+    except FileNotFoundError:
+        pass
+    moved_to = os.readlink(f"/proc/self/fd/{workdir.fd}")
+    if own.st_nlink and not moved_to.endswith(" (deleted)") and os.path.isabs(moved_to):
+        parent, name = os.path.split(moved_to)
+        parent_fd = os.open(parent, _DIR_FLAGS)
+        try:
+            found = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+            if (found.st_dev, found.st_ino) == (own.st_dev, own.st_ino):
+                return parent_fd, name
+        except FileNotFoundError:
+            pass
+        os.close(parent_fd)
+    # Removed by the call (or moved where it cannot be named): whatever is under the name is
+    # handled as before, never followed.
+    return workdir.root.fd, workdir.name
 
 
 def remove_workdir_later(workdir: Workdir) -> None:
