@@ -64,18 +64,21 @@ def parse_arguments(call: ToolCall) -> dict[str, Any] | ToolResult:
         return errors.error_result(call, errors.invalid_json(call, str(problem)))
 
 
-def _non_finite_numbers(value: Any, path: tuple[int | str, ...] = ()) -> list[dict[str, Any]]:
+def _non_finite_numbers(arguments: dict[str, Any]) -> list[dict[str, Any]]:
     """pydantic error entries for the numbers JSON text overflowed to infinity (1e400, -1e400):
-    no tool can use them, and they cannot be passed on as JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return [{"type": "finite_number", "loc": path, "input": value}]
-    if isinstance(value, dict):
-        items: Any = value.items()
-    elif isinstance(value, list):
-        items = enumerate(value)
-    else:
-        return []
-    return [entry for key, item in items for entry in _non_finite_numbers(item, (*path, key))]
+    no tool can use them, and they cannot be passed on as JSON. Without recursion: arguments may
+    be nested as deeply as json.loads allows."""
+    found: list[dict[str, Any]] = []
+    pending: list[tuple[tuple[int | str, ...], Any]] = [((), arguments)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            found.append({"type": "finite_number", "loc": path, "input": value})
+        elif isinstance(value, dict):
+            pending.extend(((*path, key), item) for key, item in value.items())
+        elif isinstance(value, list):
+            pending.extend(((*path, index), item) for index, item in enumerate(value))
+    return found
 
 
 def check_permission(call: ToolCall, spec: ToolSpec, hook: PermissionHook | None) -> ToolResult | None:

@@ -200,7 +200,7 @@ def test_with_only_rlimits_available_calls_still_run_with_a_warning(
     degraded = real.model_copy(
         update={
             layer: getattr(real, layer).model_copy(update=off)
-            for layer in ("uid", "landlock", "seccomp", "netns", "cgroup", "disk")
+            for layer in ("uid", "landlock", "seccomp", "netns", "cgroup", "disk", "ipc")
         }
     )
     monkeypatch.setattr(capabilities, "_cached", degraded)

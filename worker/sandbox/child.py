@@ -312,7 +312,11 @@ def _apply_namespaces(plan: ChildPlan, applied: list[Layer], failures: dict[Laye
             applied.append("disk")
         except OSError as exc:
             failures["disk"] = str(exc)
-    for layer, on, flag in (("netns", plan.netns, CLONE_NEWNET), ("ipc", plan.ipc_namespace, CLONE_NEWIPC)):
+    namespaces: tuple[tuple[Layer, bool, int], ...] = (
+        ("netns", plan.netns, CLONE_NEWNET),
+        ("ipc", plan.ipc_namespace, CLONE_NEWIPC),
+    )
+    for layer, on, flag in namespaces:
         if on:
             try:
                 unshare(flag)
