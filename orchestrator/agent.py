@@ -16,17 +16,15 @@ from pydantic import BaseModel, Field
 
 from toolchord.orchestrator.approval_store import Approval
 from toolchord.orchestrator.approvals import SessionWaiting, decided_event, turns_awaiting
-from toolchord.orchestrator.eventlog import (
+from toolchord.orchestrator.event_stores import EventLog
+from toolchord.orchestrator.events import (
     ApprovalDecided,
     ApprovalRequested,
-    EventLog,
     ModelFailed,
     ModelRequest,
-    SessionRecorder,
     SessionStarted,
     ToolsDeclared,
     declarations_from_registry,
-    open_event_log,
     tools_digest,
 )
 from toolchord.orchestrator.model_clients import (
@@ -36,7 +34,9 @@ from toolchord.orchestrator.model_clients import (
     make_model_client,
 )
 from toolchord.orchestrator.providers import get_adapter
+from toolchord.orchestrator.recorder import SessionRecorder
 from toolchord.orchestrator.request_builder import RequestBuilder, assistant_text, request_digest
+from toolchord.orchestrator.stores import open_event_log
 from toolchord.worker.models import ToolCall, ToolResult
 from toolchord.worker.registry import Provider, Registry
 

@@ -17,6 +17,7 @@ import redis
 from pydantic import BaseModel, Field
 
 from toolchord.worker.models import SideEffect, ToolCall
+from toolchord.worker.store_errors import store_operation
 
 ApprovalState = Literal["PENDING_APPROVAL", "APPROVED", "DENIED", "EXPIRED"]
 Decision = Literal["APPROVED", "DENIED", "EXPIRED"]
@@ -136,6 +137,7 @@ class RedisApprovalStore:
     def _turn_key(session_id: str, turn_id: str) -> str:
         return f"{PREFIX}turn:{session_id}:{turn_id}"
 
+    @store_operation
     def open(self, approvals: list[Approval], ttl: int) -> None:
         for approval in approvals:
             keep = int(max(approval.expires_at - time.time(), 0) + approval.run_window + ttl)
@@ -161,14 +163,17 @@ class RedisApprovalStore:
             "signature": json.loads(raw["signature"]) if raw.get("signature") else None,
         })
 
+    @store_operation
     def get(self, session_id: str, call_id: str) -> Approval | None:
         return self._read(session_id, call_id)
 
+    @store_operation
     def for_turn(self, session_id: str, turn_id: str) -> list[Approval]:
         ids = sorted(_text(m) or "" for m in self.redis.smembers(self._turn_key(session_id, turn_id)))
         found = [a for a in (self._read(session_id, call_id) for call_id in ids) if a is not None]
         return sorted(found, key=lambda a: a.call.index)
 
+    @store_operation
     def pending(self, session_id: str | None = None) -> list[Approval]:
         out = []
         members: list[bytes] = self.redis.zrange(PENDING_INDEX, 0, -1)
@@ -183,12 +188,14 @@ class RedisApprovalStore:
                 out.append(approval)
         return out
 
+    @store_operation
     def decide(self, session_id: str, call_id: str, decision: Decision, by: str, note: str | None,
                now: float) -> tuple[Approval | None, bool]:
         changed = self._decide(keys=[self._key(session_id, call_id), PENDING_INDEX],
                                args=[decision, by, note or "", repr(now), _member(session_id, call_id)])
         return self._read(session_id, call_id), changed == 1
 
+    @store_operation
     def mark_dispatched(self, session_id: str, call_id: str) -> None:
         self.redis.hset(self._key(session_id, call_id), "dispatched", "1")
 

@@ -19,16 +19,10 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, Field
 
 from toolchord.orchestrator.approval_store import Approval, ApprovalStore, Decision
-from toolchord.orchestrator.eventlog import (
-    ApprovalDecided,
-    ApprovalRequested,
-    Event,
-    EventLog,
-    JsonlEventLog,
-    RedisEventLog,
-    stored_call,
-)
+from toolchord.orchestrator.event_stores import EventLog
+from toolchord.orchestrator.events import ApprovalDecided, ApprovalRequested, Event
 from toolchord.orchestrator.history_repair import History
+from toolchord.orchestrator.recorder import stored_call
 from toolchord.orchestrator.turn import DispatchedCall, TurnRecord
 from toolchord.worker import errors
 from toolchord.worker.models import ToolResult
@@ -116,11 +110,9 @@ class ApprovalDesk:
 
     @property
     def log(self) -> EventLog:
-        """Where decisions are written: the given log, else the configured one (Redis or JSONL)."""
+        """Where decisions are written: the given log, else the configuration's (`Orchestrator.stores`)."""
         if self._log is None:
-            runtime = self.orch.runtime
-            self._log = (RedisEventLog(client=runtime.redis) if runtime.redis is not None
-                         else JsonlEventLog(runtime.settings.log_dir))
+            self._log = self.orch.stores.event_log
         return self._log
 
     # -- turn side ------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from typing import Protocol
 import redis
 from redis.client import PubSub
 
+from toolchord.worker.store_errors import store_operation
+
 log = logging.getLogger("toolchord.orchestrator")
 
 CHANNEL = "toolchord:turn-cancels"
@@ -28,6 +30,7 @@ CHANNEL = "toolchord:turn-cancels"
 _RETRY_PAUSE = 0.5
 
 
+@store_operation
 def announce_cancel(client: redis.Redis, session_id: str, turn_id: str) -> None:
     """Tell every listening process that this turn was cancelled."""
     client.publish(CHANNEL, json.dumps([session_id, turn_id]))
@@ -81,11 +84,12 @@ _listeners: dict[tuple[int, str], CancelListener] = {}
 _listeners_lock = threading.Lock()
 
 
+@store_operation
 def listen_for_cancels(client: redis.Redis, subscriber: CancelSubscriber) -> None:
     """Have `subscriber` hear the cancels announced on `client`'s Redis, through this process's
     one listener for that Redis (started on first use; a forked child starts its own).
 
-    Raises redis.RedisError when the listener cannot subscribe (Redis unreachable).
+    Raises StoreUnavailable when the listener cannot subscribe (Redis unreachable).
     """
     kwargs = client.connection_pool.connection_kwargs
     where = f"{kwargs.get('host')}:{kwargs.get('port')}/{kwargs.get('db')}{kwargs.get('path') or ''}"

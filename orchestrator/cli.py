@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _demo(args: argparse.Namespace) -> int:
     from toolchord.orchestrator.demo import run_demo
-    from toolchord.orchestrator.eventlog import open_event_log
+    from toolchord.orchestrator.stores import open_event_log
 
     log = open_event_log(log_dir=args.log_dir) if args.log_dir else open_event_log()
     return run_demo(provider=args.provider, stream=args.stream, log=log)
@@ -127,9 +127,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     from toolchord.orchestrator.approvals import turns_awaiting
-    from toolchord.orchestrator.eventlog import ModelRequest, open_event_log
+    from toolchord.orchestrator.events import ModelRequest
     from toolchord.orchestrator.history_repair import History, plan_repair
     from toolchord.orchestrator.request_builder import render, request_bytes, request_digest
+    from toolchord.orchestrator.stores import open_event_log
 
     log = open_event_log(redis_url=args.redis_url, log_dir=args.log_dir)
     events = log.read(args.session)
@@ -164,7 +165,7 @@ def _print_approvals(events: list[Any]) -> None:
     """One line per approval request and decision (who, when, what) among `events`."""
     from datetime import UTC, datetime
 
-    from toolchord.orchestrator.eventlog import ApprovalDecided, ApprovalRequested
+    from toolchord.orchestrator.events import ApprovalDecided, ApprovalRequested
 
     for event in events:
         if isinstance(event, ApprovalRequested):
@@ -209,7 +210,7 @@ def _approvals(args: argparse.Namespace) -> int:
     return 0 if approval.state == {"approve": "APPROVED", "deny": "DENIED"}[args.action] else 3
 
 def _ui(args: argparse.Namespace) -> int:
-    from toolchord.orchestrator.eventlog import open_event_log
+    from toolchord.orchestrator.stores import open_event_log
     from toolchord.orchestrator.ui import AUTH_ENV, TimelineServer
     from toolchord.worker.config import ConfigError, Settings
     from toolchord.worker.launch import basic_auth, refuse_open_access

@@ -13,8 +13,9 @@ import sys
 from typing import TextIO
 
 from toolchord.orchestrator.agent import Agent, AgentStep
-from toolchord.orchestrator.eventlog import EventLog, open_event_log
+from toolchord.orchestrator.event_stores import EventLog
 from toolchord.orchestrator.scripted_model import ScriptedCall, ScriptedModelServer, ScriptedTurn
+from toolchord.orchestrator.stores import open_event_log
 from toolchord.worker.config import Settings
 from toolchord.worker.models import ToolCall, ToolResult
 from toolchord.worker.registry import Provider, Registry

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolchord.orchestrator.eventlog import (
+from toolchord.orchestrator.events import (
     CallParsed,
     CallResult,
     CallStarted,

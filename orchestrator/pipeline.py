@@ -1,6 +1,6 @@
 """Before dispatch: parse → look up → validate → permission, for each call of a turn.
 
-Errors found here never reach a worker: they become results directly (DESIGN.md section 1).
+Errors found here never reach a worker: they become results directly (docs/architecture.md, the turn diagram).
 `Pipeline.run` adds in-process execution so one call can go the whole way without Celery.
 """
 

@@ -1,4 +1,4 @@
-"""Rebuilding the next model request of a session from its event log (shared/DESIGN.md section 8).
+"""Rebuilding the next model request of a session from its event log (docs/agent-loop.md, "Requests").
 
 The same log always gives byte-identical request JSON: the request is rendered from the log in
 log order (nothing with an order is sorted) and serialized with one fixed `json.dumps`
@@ -25,7 +25,8 @@ import json
 import re
 from typing import Any
 
-from toolchord.orchestrator.eventlog import EventLog, LateResult, ToolDeclaration, Transformation, UserInput
+from toolchord.orchestrator.event_stores import EventLog
+from toolchord.orchestrator.events import LateResult, ToolDeclaration, Transformation, UserInput
 from toolchord.orchestrator.history_repair import History, Turn, plan_repair
 from toolchord.orchestrator.providers import PairingError, ProviderAdapter, get_adapter
 from toolchord.worker.registry import Provider

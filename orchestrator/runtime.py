@@ -19,15 +19,16 @@ from celery.backends.redis import RedisBackend
 from celery.canvas import Signature
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
-from toolchord.orchestrator.approval_store import Approval, MemoryApprovalStore, RedisApprovalStore
+from toolchord.orchestrator.approval_store import Approval
 from toolchord.orchestrator.approvals import ApprovalDesk, needs_approval
 from toolchord.orchestrator.cancel_signals import announce_cancel, listen_for_cancels
-from toolchord.orchestrator.eventlog import EventLog
+from toolchord.orchestrator.event_stores import EventLog
 from toolchord.orchestrator.observability import observed_turn
 from toolchord.orchestrator.pipeline import PermissionHook, PreparedCall, prepare_call
 from toolchord.orchestrator.providers import get_adapter
+from toolchord.orchestrator.stores import OrchestratorStores, stores_for
 from toolchord.orchestrator.turn import DispatchedCall, LateCall, TurnRecord, TurnResult
-from toolchord.orchestrator.turn_store import MemoryTurnStore, RedisTurnStore, TurnStore
+from toolchord.orchestrator.turn_store import TurnStore
 from toolchord.orchestrator.waiting import PollingResultWaiter, RedisResultWaiter, ResultWaiter
 from toolchord.worker import errors
 from toolchord.worker.celery_app import WorkerRuntime, create_app, runtime_of
@@ -36,6 +37,7 @@ from toolchord.worker.models import ErrorCode, ToolCall, ToolResult
 from toolchord.worker.payloads import CallPayload, cancel_scope
 from toolchord.worker.policy import policy_of
 from toolchord.worker.registry import Provider, Registry
+from toolchord.worker.store_errors import StoreUnavailable
 from toolchord.worker.tasks import COLLECT_TASK, TASK_NAMES, with_lost_results
 
 log = logging.getLogger("toolchord.orchestrator")
@@ -125,13 +127,10 @@ class Orchestrator:
         self.turn_timeout = turn_timeout
         self.permission_hook = permission_hook
         settings = self.runtime.settings
-        self.turns: TurnStore = (
-            MemoryTurnStore() if self.runtime.redis is None else RedisTurnStore(self.runtime.redis, settings.result_ttl)
-        )
+        self.stores: OrchestratorStores = stores_for(settings, self.runtime.stores)
+        self.turns: TurnStore = self.stores.turns
         # Calls held for a decision; decisions are written to `event_log` (default: the configured log).
-        self.approvals = ApprovalDesk(
-            self, MemoryApprovalStore() if self.runtime.redis is None else RedisApprovalStore(self.runtime.redis),
-            event_log)
+        self.approvals = ApprovalDesk(self, self.stores.approvals, event_log)
         self._waiters: dict[asyncio.AbstractEventLoop, ResultWaiter] = {}
         # Turns waited on here, and those of them known to be cancelled (by this orchestrator or
         # announced by another process): the waiting loops check the set at every slice.
@@ -255,10 +254,10 @@ class Orchestrator:
             sigs = [self._signature(record, by_id[cid], first=i == 0) for i, cid in enumerate(group)]
             header.append(sigs[0] if len(sigs) == 1 else chain(*sigs))
         body_id = "tc-collect-" + _digest(record.session_id, record.turn_id, str(time.time_ns()))
-        # Every header message carries a copy of the body (celery-findings pitfall 8), so the body
+        # Every header message carries a copy of the body (docs/architecture.md, "Celery behaviour"), so the body
         # has no per-call arguments: the orchestrator orders the results from its own record.
         body = self.app.signature(COLLECT_TASK, task_id=body_id, queue=self.runtime.queue())
-        # chord() explicitly, never chain(group, body): a one-task group would unroll (pitfall 5).
+        # chord() explicitly, never chain(group, body): a one-task group would unroll (same section).
         chord(header, body).apply_async()
         if self._ignore_call_results:
             _release_pending(self.app.backend, [dc.task_id for dc in record.dispatched])
@@ -385,7 +384,7 @@ class Orchestrator:
             return
         try:
             listen_for_cancels(self.runtime.redis, self)
-        except redis.RedisError as exc:
+        except StoreUnavailable as exc:
             # Remote cancels are then seen through the flag poll alone; the next turn retries.
             log.warning("cannot listen for turn cancels yet: %s", exc)
         else:
@@ -417,7 +416,7 @@ class Orchestrator:
         """Whether every dispatched call has a result in the idempotency store (False if unreachable)."""
         try:
             return all(raw is not None for raw in self._stored_results([dc.key for dc in record.dispatched]))
-        except redis.RedisError as exc:
+        except StoreUnavailable as exc:
             log.warning("reading turn %s's results: %s", record.turn_id, exc)
             return False
 

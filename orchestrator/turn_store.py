@@ -14,6 +14,7 @@ from typing import Protocol
 import redis
 
 from toolchord.orchestrator.turn import LateCall, TurnRecord, TurnResult
+from toolchord.worker.store_errors import store_operation
 
 
 class TurnStore(Protocol):
@@ -56,20 +57,24 @@ class RedisTurnStore:
     def _key(session_id: str, turn_id: str, part: str = "record") -> str:
         return f"toolchord:turn:{session_id}:{turn_id}:{part}"
 
+    @store_operation
     def save(self, record: TurnRecord) -> None:
         pipe = self.redis.pipeline()
         pipe.set(self._key(record.session_id, record.turn_id), record.model_dump_json(), ex=self.ttl)
         pipe.set(f"toolchord:turn:{record.session_id}:active", record.turn_id, ex=self.ttl)
         pipe.execute()
 
+    @store_operation
     def active(self, session_id: str) -> TurnRecord | None:
         turn_id = self.redis.get(f"toolchord:turn:{session_id}:active")
         return self.record(session_id, turn_id.decode()) if turn_id else None
 
+    @store_operation
     def record(self, session_id: str, turn_id: str) -> TurnRecord | None:
         raw = self.redis.get(self._key(session_id, turn_id))
         return TurnRecord.model_validate_json(raw) if raw else None
 
+    @store_operation
     def find(self, session_id: str, turn_id: str) -> tuple[TurnResult | TurnRecord | None, list[LateCall]]:
         pipe = self.redis.pipeline(transaction=False)
         pipe.mget(self._key(session_id, turn_id, "result"), self._key(session_id, turn_id))
@@ -80,6 +85,7 @@ class RedisTurnStore:
             return TurnResult.model_validate_json(result), late
         return (TurnRecord.model_validate_json(record) if record is not None else None), late
 
+    @store_operation
     def finish(
         self, record: TurnRecord, result: TurnResult, settled_late: Sequence[str] = (), watched: Sequence[LateCall] = ()
     ) -> None:
@@ -96,13 +102,16 @@ class RedisTurnStore:
             pipe.expire(late_key, self.ttl)
         pipe.execute()
 
+    @store_operation
     def result(self, session_id: str, turn_id: str) -> TurnResult | None:
         raw = self.redis.get(self._key(session_id, turn_id, "result"))
         return TurnResult.model_validate_json(raw) if raw else None
 
+    @store_operation
     def cancel(self, session_id: str, turn_id: str) -> None:
         self.redis.set(self._key(session_id, turn_id, "cancel"), "1", ex=self.ttl)
 
+    @store_operation
     def cancelled(self, session_id: str, turn_id: str) -> bool:
         return bool(self.redis.exists(self._key(session_id, turn_id, "cancel")))
 

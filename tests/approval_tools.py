@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from tests.cluster_helpers import TOOLS, settings_for
 from toolchord.orchestrator import Orchestrator
-from toolchord.orchestrator.eventlog import RedisEventLog
+from toolchord.orchestrator.event_stores import RedisEventLog
 from toolchord.worker import Registry
 from toolchord.worker.celery_app import create_app
 

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from toolchord.orchestrator.agent import Agent
-from toolchord.orchestrator.eventlog import EventLog, JsonlEventLog, ModelFailed, ModelRequest
+from toolchord.orchestrator.event_stores import EventLog, JsonlEventLog
+from toolchord.orchestrator.events import ModelFailed, ModelRequest
 from toolchord.orchestrator.history_repair import History, plan_repair
 from toolchord.orchestrator.model_clients import ModelError
 from toolchord.orchestrator.request_builder import render, request_bytes

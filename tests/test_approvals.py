@@ -24,7 +24,7 @@ from toolchord.orchestrator import (
     SessionWaiting,
     UnknownApproval,
 )
-from toolchord.orchestrator.eventlog import ApprovalDecided, ApprovalRequested, ModelRequest
+from toolchord.orchestrator.events import ApprovalDecided, ApprovalRequested, ModelRequest
 from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
 from toolchord.worker import ErrorCode, Registry, SandboxProfile, ToolCall, tool
 from toolchord.worker.redaction import MASK

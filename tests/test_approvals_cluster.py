@@ -14,7 +14,8 @@ from tests.approval_tools import approval_orchestrator, approval_registry
 from tests.cluster_helpers import TOOLS, call, effects, wait_for
 from tests.conftest import ROOT, worker_env
 from toolchord.orchestrator import Agent
-from toolchord.orchestrator.eventlog import ApprovalDecided, RedisEventLog
+from toolchord.orchestrator.event_stores import RedisEventLog
+from toolchord.orchestrator.events import ApprovalDecided
 from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
 from toolchord.worker import ErrorCode
 
@@ -30,7 +31,7 @@ SCRIPT = [
 FIRST = """
 import json, sys
 from toolchord.orchestrator import Agent
-from toolchord.orchestrator.eventlog import RedisEventLog
+from toolchord.orchestrator.event_stores import RedisEventLog
 from tests.approval_tools import approval_orchestrator, approval_registry
 url, base = sys.argv[1], sys.argv[2]
 agent = Agent(approval_registry(), model="scripted", base_url=base, api_key="-",

@@ -8,17 +8,10 @@ from pathlib import Path
 import pytest
 
 from tests.test_request_builder_rebuild import REGISTRY, write_conversation
-from toolchord.orchestrator.eventlog import (
-    CallParsed,
-    EventLog,
-    JsonlEventLog,
-    ModelOutput,
-    RedisEventLog,
-    SessionRecorder,
-    Transformation,
-    UserInput,
-    open_event_log,
-)
+from toolchord.orchestrator.event_stores import EventLog, JsonlEventLog, RedisEventLog
+from toolchord.orchestrator.events import CallParsed, ModelOutput, Transformation, UserInput
+from toolchord.orchestrator.recorder import SessionRecorder
+from toolchord.orchestrator.stores import open_event_log
 
 
 @pytest.fixture(params=["jsonl", "redis"])

@@ -13,7 +13,7 @@ from typing import Any, get_args
 
 import pytest
 
-from toolchord.orchestrator.eventlog import SessionStarted
+from toolchord.orchestrator.events import SessionStarted
 from toolchord.orchestrator.history_repair import History
 from toolchord.orchestrator.model_clients import make_model_client
 from toolchord.orchestrator.providers import ProviderAdapter, get_adapter

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tests.linear_time import assert_linear
 from toolchord.orchestrator.bench.inputs import hostile_text, responses_stream_events
-from toolchord.orchestrator.eventlog import CallParsed, CallResult, Event, ModelOutput
+from toolchord.orchestrator.events import CallParsed, CallResult, Event, ModelOutput
 from toolchord.orchestrator.history_repair import History
 from toolchord.orchestrator.pipeline import Pipeline, prepare_call
 from toolchord.orchestrator.providers import get_adapter

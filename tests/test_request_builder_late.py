@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from tests.test_request_builder_rebuild import PROVIDERS, REGISTRY, assert_provider_accepts, write_conversation
-from toolchord.orchestrator.eventlog import JsonlEventLog, SessionRecorder
+from toolchord.orchestrator.event_stores import JsonlEventLog
+from toolchord.orchestrator.recorder import SessionRecorder
 from toolchord.orchestrator.request_builder import RequestBuilder
 from toolchord.worker.models import ToolResult
 from toolchord.worker.registry import Provider

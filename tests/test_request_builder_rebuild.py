@@ -12,11 +12,8 @@ from typing import Any
 import pytest
 from pydantic import TypeAdapter
 
-from toolchord.orchestrator.eventlog import (
-    EventLog,
-    JsonlEventLog,
-    RedisEventLog,
-    SessionRecorder,
+from toolchord.orchestrator.event_stores import EventLog, JsonlEventLog, RedisEventLog
+from toolchord.orchestrator.events import (
     SessionStarted,
     ToolsDeclared,
     Transformation,
@@ -24,6 +21,7 @@ from toolchord.orchestrator.eventlog import (
     tools_digest,
 )
 from toolchord.orchestrator.providers import get_adapter
+from toolchord.orchestrator.recorder import SessionRecorder
 from toolchord.orchestrator.request_builder import RequestBuilder, check_pairing, request_bytes
 from toolchord.orchestrator.scripted_model import (
     ScriptedCall,
@@ -127,7 +125,7 @@ def assert_provider_accepts(provider: Provider, request: dict[str, Any]) -> None
 def rebuild_in_subprocess(store: str, location: str, session_id: str, provider: Provider) -> bytes:
     code = (
         "import sys\n"
-        "from toolchord.orchestrator.eventlog import JsonlEventLog, RedisEventLog\n"
+        "from toolchord.orchestrator.event_stores import JsonlEventLog, RedisEventLog\n"
         "from toolchord.orchestrator.request_builder import RequestBuilder\n"
         f"log = {'JsonlEventLog' if store == 'jsonl' else 'RedisEventLog'}({location!r})\n"
         f"sys.stdout.buffer.write(RequestBuilder(log).build_bytes({session_id!r}, {provider!r}))\n"

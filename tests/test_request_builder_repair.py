@@ -12,12 +12,8 @@ from tests.test_request_builder_rebuild import (
     assert_provider_accepts,
     write_conversation,
 )
-from toolchord.orchestrator.eventlog import (
-    CallResult,
-    JsonlEventLog,
-    Transformation,
-    encode_event,
-)
+from toolchord.orchestrator.event_stores import JsonlEventLog
+from toolchord.orchestrator.events import CallResult, Transformation, encode_event
 from toolchord.orchestrator.history_repair import History, plan_repair
 from toolchord.orchestrator.request_builder import RequestBuilder, request_bytes
 from toolchord.worker.models import ToolResult

@@ -21,7 +21,7 @@ import pytest
 
 from tests.cluster_helpers import TOOLS, orchestrator, run_in_thread
 from toolchord.orchestrator.agent import Agent
-from toolchord.orchestrator.eventlog import RedisEventLog
+from toolchord.orchestrator.event_stores import RedisEventLog
 from toolchord.orchestrator.ui import TimelineServer
 from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
 
@@ -115,7 +115,7 @@ def _get(url: str, auth: str | None = None) -> int:
 
 
 def test_the_page_asks_for_basic_auth_when_configured(tmp_path: Path) -> None:
-    from toolchord.orchestrator.eventlog import JsonlEventLog
+    from toolchord.orchestrator.event_stores import JsonlEventLog
 
     server = TimelineServer(JsonlEventLog(tmp_path), None, port=0, basic_auth="ops:s3cret")
     server.start()
@@ -178,7 +178,7 @@ def test_the_demo_on_a_cluster_shows_up_on_the_page(start_worker, redis_url, cle
 @pytest.mark.slow
 def test_a_call_that_outlives_its_turn_ends_where_the_model_got_its_answer(start_worker, redis_url, clean_redis):
     from tests.cluster_helpers import call, wait_for
-    from toolchord.orchestrator.eventlog import SessionRecorder
+    from toolchord.orchestrator.recorder import SessionRecorder
     from toolchord.orchestrator.ui import session_view
     from toolchord.worker.observability.call_timeline import read_timings
 

@@ -17,12 +17,14 @@ if TYPE_CHECKING:
     from toolchord.orchestrator.agent import Agent, AgentResult, AgentStep
     from toolchord.orchestrator.approval_store import Approval
     from toolchord.orchestrator.approvals import SessionWaiting, Settlement, UnknownApproval
-    from toolchord.orchestrator.eventlog import EventLog, JsonlEventLog, RedisEventLog, SessionRecorder, open_event_log
+    from toolchord.orchestrator.event_stores import EventLog, JsonlEventLog, RedisEventLog
     from toolchord.orchestrator.model_clients import ModelError, make_model_client
     from toolchord.orchestrator.pipeline import PermissionHook, Pipeline, PreparedCall, prepare_call
     from toolchord.orchestrator.providers import ProviderAdapter, ProviderFormatError, get_adapter
+    from toolchord.orchestrator.recorder import SessionRecorder
     from toolchord.orchestrator.request_builder import PairingError, RequestBuilder, check_pairing, request_bytes
     from toolchord.orchestrator.runtime import Orchestrator
+    from toolchord.orchestrator.stores import open_event_log
     from toolchord.orchestrator.turn import LateCall, TurnRecord, TurnResult
     from toolchord.worker.celery_app import create_app
     from toolchord.worker.config import Settings
@@ -67,11 +69,11 @@ _SOURCES: dict[str, str] = {
     "SessionWaiting": "toolchord.orchestrator.approvals",
     "Settlement": "toolchord.orchestrator.approvals",
     "UnknownApproval": "toolchord.orchestrator.approvals",
-    "EventLog": "toolchord.orchestrator.eventlog",
-    "JsonlEventLog": "toolchord.orchestrator.eventlog",
-    "RedisEventLog": "toolchord.orchestrator.eventlog",
-    "SessionRecorder": "toolchord.orchestrator.eventlog",
-    "open_event_log": "toolchord.orchestrator.eventlog",
+    "EventLog": "toolchord.orchestrator.event_stores",
+    "JsonlEventLog": "toolchord.orchestrator.event_stores",
+    "RedisEventLog": "toolchord.orchestrator.event_stores",
+    "SessionRecorder": "toolchord.orchestrator.recorder",
+    "open_event_log": "toolchord.orchestrator.stores",
     "ModelError": "toolchord.orchestrator.model_clients",
     "make_model_client": "toolchord.orchestrator.model_clients",
     "PermissionHook": "toolchord.orchestrator.pipeline",

@@ -1,4 +1,4 @@
-"""toolchord configuration from the environment (shared/DESIGN.md section 9).
+"""toolchord configuration from the environment (docs/configuration.md).
 
 Every URL can also come from a file named by `<VARIABLE>_FILE` (Docker/Kubernetes secrets), so
 passwords need not sit in the environment or on a command line.

@@ -1,4 +1,4 @@
-"""Structured tool errors and the model-facing text for each (shared/DESIGN.md section 2).
+"""Structured tool errors and the model-facing text for each (docs/errors.md).
 
 Every error says what went wrong, shows the offending input (redacted, bounded) and how to fix
 it, in one fixed layout the model learns quickly:

@@ -1,4 +1,4 @@
-"""Idempotency keys and the claim protocol (shared/DESIGN.md section 5).
+"""Idempotency keys and the claim protocol (docs/idempotency.md).
 
 A worker claims a call's key (atomic set-if-absent with a lease it renews while the handler runs)
 before any side effect, and stores the final result under the key before the task is acknowledged.
@@ -31,6 +31,7 @@ import redis
 from pydantic import BaseModel
 
 from toolchord.worker.redis_clients import redis_client
+from toolchord.worker.store_errors import StoreUnavailable, store_operation
 from toolchord.worker.tools import ToolSpec
 
 PREFIX = "toolchord:idem:"
@@ -166,6 +167,7 @@ class RedisIdempotencyStore:
         """A store on `url` (a sentinel:// URL needs `master_name`)."""
         return cls(redis_client(url, master_name=master_name, health_check_interval=30))
 
+    @store_operation
     def claim(self, key: str, token: str, lease: float, ttl: int, cancel_scope: str | None = None) -> Claim:
         names = _keys(key)
         keys = [names.result, names.claim, names.started]
@@ -174,9 +176,11 @@ class RedisIdempotencyStore:
         state, value = self._claim(keys=keys, args=[token, int(lease * 1000), ttl])
         return Claim(state=ClaimState(state.decode()), result_json=value.decode() if value else None)
 
+    @store_operation
     def renew(self, key: str, token: str, lease: float) -> bool:
         return bool(self._renew(keys=[_keys(key).claim], args=[token, int(lease * 1000)]))
 
+    @store_operation
     def complete(self, key: str, token: str, result_json: str, ttl: int, *, provisional: bool = False) -> str:
         names = _keys(key)
         return self._complete(
@@ -184,26 +188,32 @@ class RedisIdempotencyStore:
             args=[token, result_json, ttl, "1" if provisional else "0"],
         ).decode()
 
+    @store_operation
     def release(self, key: str, token: str, *, forget_start: bool) -> None:
         names = _keys(key)
         self._release(keys=[names.claim, names.started], args=[token, "1" if forget_start else "0"])
 
+    @store_operation
     def result(self, key: str) -> str | None:
         value = self.redis.get(_keys(key).result)
         return value.decode() if value is not None else None
 
+    @store_operation
     def results(self, keys: list[str]) -> list[str | None]:
         """Stored results for many keys in one round trip."""
         if not keys:
             return []
         return [v.decode() if v is not None else None for v in self.redis.mget([_keys(k).result for k in keys])]
 
+    @store_operation
     def started(self, key: str) -> bool:
         return bool(self.redis.exists(_keys(key).started))
 
+    @store_operation
     def cancel(self, key: str, ttl: int) -> None:
         self.redis.set(_keys(key).cancel, "1", ex=ttl)
 
+    @store_operation
     def cancelled(self, key: str) -> bool:
         return bool(self.redis.exists(_keys(key).cancel))
 
@@ -341,6 +351,6 @@ class LeaseRenewer:
             for key, token in held:
                 try:
                     self._store.renew(key, token, self._lease)
-                except redis.RedisError:
+                except StoreUnavailable:
                     # A blip in Redis: try again next round, before the lease would run out.
                     continue

@@ -1,4 +1,4 @@
-"""The internal form of a tool call and its result (shared/DESIGN.md section 2).
+"""The internal form of a tool call and its result (docs/errors.md, docs/api.md).
 
 These models cross every process boundary as JSON: orchestrator -> broker -> worker -> sandbox
 child -> result backend -> event log. Nothing here is ever pickled.

@@ -1,4 +1,4 @@
-"""What travels in a Celery message for one call (JSON, small; DESIGN.md section 2)."""
+"""What travels in a Celery message for one call (JSON, small; docs/architecture.md, "What a task message carries")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What each side-effect class means, in one table (shared/DESIGN.md sections 3-4).
+"""What each side-effect class means, in one table (docs/tools.md, "Side-effect classes").
 
 Tasks (which task runs a call, when an attempt is retried, when a lost attempt is reconciled),
 results (a started attempt nobody saw end), deadline sizing, the chord's lost results, late

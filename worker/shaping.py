@@ -1,4 +1,4 @@
-"""Fitting a handler's output into the model's budget (shared/DESIGN.md section 7)."""
+"""Fitting a handler's output into the model's budget (docs/architecture.md, "Output shaping")."""
 
 from __future__ import annotations
 

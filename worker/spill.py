@@ -20,6 +20,7 @@ import redis
 from pydantic import Field
 
 from toolchord.worker.context import ToolContext
+from toolchord.worker.store_errors import store_operation
 from toolchord.worker.tools import ToolSpec, tool
 
 
@@ -86,11 +87,13 @@ class RedisSpillStore:
     def _key(session_id: str, ref: str) -> str:
         return f"toolchord:spill:{_digest(session_id)}:{ref}"
 
+    @store_operation
     def put(self, session_id: str, text: str) -> str:
         ref = _ref(session_id, text)
         self._redis.set(self._key(session_id, ref), text.encode("utf-8", "replace"), ex=self._ttl)
         return ref
 
+    @store_operation
     def read(self, session_id: str, ref: str, offset: int, limit: int) -> tuple[str, int] | None:
         raw = self._redis.get(self._key(session_id, ref))
         if raw is None:

@@ -1,6 +1,6 @@
 """The Celery tasks: one per side-effect class to run a call, and the chord callback that collects.
 
-Header tasks never raise (celery-findings pitfall 1): every failure, including a bug in toolchord
+Header tasks never raise (docs/architecture.md, "Celery behaviour"): every failure, including a bug in toolchord
 itself, becomes a ToolResult, so one failing call never fails the chord. The only exception that
 leaves a task is Celery's own `Retry`, which keeps the task id and its place in the chord.
 Each call task returns a list of result dicts: its own appended to what the previous task in a
@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any, Protocol
 
-import redis
 from celery import Celery, Task
 from celery.exceptions import SoftTimeLimitExceeded
 from pydantic import ValidationError
@@ -33,6 +32,7 @@ from toolchord.worker.results import result_from_outcome
 from toolchord.worker.runner import run_handler, unavailable_tool_result
 from toolchord.worker.soft_limit import soft_limit_held, soft_limit_live
 from toolchord.worker.spill import SessionSpill
+from toolchord.worker.store_errors import StoreUnavailable
 from toolchord.worker.tools import ToolSpec
 from toolchord.worker.worker_runtime import WorkerRuntime, runtime_of
 
@@ -43,7 +43,7 @@ COLLECT_TASK = "toolchord.collect"
 
 # Poll interval while another delivery of the same key holds a live claim.
 _BUSY_POLL = 0.05
-# Retry backoff stays far below the broker's visibility timeout (celery-findings pitfall 2).
+# Retry backoff stays far below the broker's visibility timeout (docs/architecture.md, "Celery behaviour").
 _MAX_BACKOFF = 30.0
 # Longest pause between attempts to store a result while Redis is unreachable.
 _STORE_RETRY_MAX_DELAY = 1.0
@@ -121,7 +121,7 @@ class CallExecution:
         token = uuid.uuid4().hex
         try:
             claim = self._claim_or_wait(token)
-        except redis.RedisError as exc:
+        except StoreUnavailable as exc:
             # Nothing ran yet, so a retry is safe for every class.
             countdown = backoff_seconds(self.attempt - 1, self.rt.settings.visibility_timeout)
             if self.may_retry and time.time() + countdown < self.p.deadline:
@@ -225,7 +225,7 @@ class CallExecution:
         return outcome
 
     def _retry_countdown(self, spec: ToolSpec, outcome: HandlerOutcome) -> float | None:
-        """Seconds until the next attempt, or None when this outcome is final (DESIGN.md section 4)."""
+        """Seconds until the next attempt, or None when this outcome is final (docs/tools.md, "Side-effect classes")."""
         if not self.may_retry:
             return None
         if outcome.status == "error" and outcome.transient:
@@ -253,7 +253,7 @@ class CallExecution:
             try:
                 stored = self.rt.store.complete(self.p.key, token, result_json, self.ttl, provisional=provisional)
                 break
-            except redis.RedisError as exc:
+            except StoreUnavailable as exc:
                 if time.monotonic() + delay > give_up:
                     # The handler already ran: hand its result back through the chord even if it
                     # cannot be stored.

@@ -1,4 +1,4 @@
-"""Turning typed Python functions into tools with a policy (shared/DESIGN.md section 3)."""
+"""Turning typed Python functions into tools with a policy (docs/tools.md)."""
 
 from __future__ import annotations
 

@@ -14,10 +14,10 @@ from celery.concurrency.thread import TaskPool as ThreadTaskPool
 from celery.signals import worker_init, worker_process_init, worker_ready
 
 from toolchord.worker.config import Settings
-from toolchord.worker.idempotency import IdempotencyStore, LeaseRenewer, MemoryIdempotencyStore, RedisIdempotencyStore
-from toolchord.worker.observability.hooks import ObservedStore
+from toolchord.worker.idempotency import IdempotencyStore, LeaseRenewer
 from toolchord.worker.registry import Registry
-from toolchord.worker.spill import MemorySpillStore, RedisSpillStore, SpillStore, read_output_tool
+from toolchord.worker.spill import SpillStore, read_output_tool
+from toolchord.worker.stores import WorkerStores, stores_for
 
 _RUNTIMES: weakref.WeakSet[WorkerRuntime] = weakref.WeakSet()
 
@@ -30,7 +30,6 @@ class WorkerRuntime:
         self.settings = settings
         self.registry = registry
         registry.add_missing([read_output_tool(_RuntimeSpill(self))])
-        self._memory_store = MemoryIdempotencyStore() if settings.redis_url is None else None
         self._embedded_worker: threading.Thread | None = None
         self._lock = threading.Lock()
         # The in-memory transport keeps its queues process-wide: each embedded app gets queues of
@@ -42,31 +41,33 @@ class WorkerRuntime:
         return self._queue_prefix + (name or self.settings.default_queue)
 
     @cached_property
-    def redis(self) -> redis.Redis | None:
-        if self.settings.redis_url is None:
-            return None
-        return self.settings.redis_client(health_check_interval=30)
+    def stores(self) -> WorkerStores:
+        # This runtime's own stores: several embedded apps in one process never share spills.
+        return stores_for(self.settings)
 
-    @cached_property
+    @property
+    def redis(self) -> redis.Redis | None:
+        """The client of the configured Redis (None in embedded mode without one)."""
+        return self.stores.redis
+
+    @property
     def store(self) -> IdempotencyStore:
-        if self._memory_store is not None:
-            return ObservedStore(self._memory_store)
-        assert self.redis is not None
-        return ObservedStore(RedisIdempotencyStore(self.redis))
+        return self.stores.idempotency
 
     @cached_property
     def lease_renewer(self) -> LeaseRenewer:
         return LeaseRenewer(self.store, self.settings.claim_lease)
 
-    @cached_property
+    @property
     def spill(self) -> SpillStore:
-        # This runtime's own store: several embedded apps in one process never share spills.
-        return MemorySpillStore() if self.redis is None else RedisSpillStore(self.redis, self.settings.result_ttl)
+        return self.stores.spill
 
     def reset_connections(self) -> None:
         """Forget connections inherited over fork; each pool child opens its own."""
-        for name in ("redis", "store", "lease_renewer", "spill"):
-            self.__dict__.pop(name, None)
+        stores = self.__dict__.get("stores")
+        if stores is not None and stores.redis is not None:  # in-memory stores hold no connection to drop
+            for name in ("stores", "lease_renewer"):
+                self.__dict__.pop(name, None)
 
     def start_embedded_worker(self, app: Celery) -> None:
         """Start the in-process worker thread once (embedded mode only)."""

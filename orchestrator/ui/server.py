@@ -20,7 +20,7 @@ from urllib.parse import unquote
 
 from pydantic import BaseModel
 
-from toolchord.orchestrator.eventlog import EventLog
+from toolchord.orchestrator.event_stores import EventLog
 from toolchord.orchestrator.ui.session_view import recent_sessions, session_view
 
 log = logging.getLogger("toolchord.ui")

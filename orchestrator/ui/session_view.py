@@ -12,16 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from toolchord.orchestrator.eventlog import (
-    CallParsed,
-    CallResult,
-    EventLog,
-    JsonlEventLog,
-    LateResult,
-    ModelOutput,
-    RedisEventLog,
-    TurnDispatched,
-)
+from toolchord.orchestrator.event_stores import EventLog, JsonlEventLog, RedisEventLog
+from toolchord.orchestrator.events import CallParsed, CallResult, LateResult, ModelOutput, TurnDispatched
 from toolchord.orchestrator.turn_store import RedisTurnStore
 from toolchord.worker.observability.call_timeline import CallTiming, read_timings
 

@@ -6,7 +6,7 @@ that should write spans without any collector, `TOOLCHORD_TRACE_FILE=<path>` ins
 `JsonLinesSpanExporter` (one JSON span per line), which the tests read across processes.
 
 Span attributes name the session, turn, call, tool, side-effect class, attempt and error code;
-never the arguments or the output (DESIGN.md: redaction holds in every sink).
+never the arguments or the output (docs/architecture.md, "Output shaping": redaction holds in every sink).
 """
 
 from __future__ import annotations

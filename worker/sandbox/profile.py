@@ -1,4 +1,4 @@
-"""The sandbox policy a tool declares (shared/DESIGN.md section 6)."""
+"""The sandbox policy a tool declares (docs/sandbox.md)."""
 
 from __future__ import annotations
 
