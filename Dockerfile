@@ -27,7 +27,8 @@ ENV PATH=/opt/toolchord/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp \
-    TOOLCHORD_LOG_DIR=/tmp/toolchord/logs
+    TOOLCHORD_LOG_DIR=/tmp/toolchord/logs \
+    TOOLCHORD_SANDBOX_DIRECT_FORK=refuse
 # /tmp is the only place the processes write (per-call sandbox workspaces, embedded logs); the
 # deployments mount a tmpfs/emptyDir there and keep the root filesystem read-only.
 WORKDIR /tmp

@@ -14,6 +14,7 @@ import redis
 from pydantic import BaseModel, Field
 
 from toolchord.worker.redis_clients import is_redis_url, is_sentinel_url, redis_client, scheme_of
+from toolchord.worker.sandbox.profile import DirectFork
 
 DEFAULT_MAX_ARGUMENT_BYTES = 1024 * 1024
 DEFAULT_MAX_RESULT_DATA_BYTES = 1024 * 1024
@@ -56,6 +57,13 @@ class Settings(BaseModel):
     )
     sandbox_uid: int | None = Field(
         default=None, description="One uid for every sandboxed call of a root worker; None: a uid per call."
+    )
+    sandbox_direct_fork: DirectFork = Field(
+        default="allow",
+        description=(
+            "refuse: a tool the sandbox zygote cannot run fails (DirectForkRefused) instead of "
+            "running in a direct fork of the worker, whose memory holds the worker's secrets."
+        ),
     )
     log_dir: str = ".toolchord/logs"
     max_argument_bytes: int = Field(
@@ -123,6 +131,7 @@ class Settings(BaseModel):
             ("claim_lease", "TOOLCHORD_CLAIM_LEASE"),
             ("result_store_patience", "TOOLCHORD_RESULT_STORE_PATIENCE"),
             ("sandbox_uid", "TOOLCHORD_SANDBOX_UID"),
+            ("sandbox_direct_fork", "TOOLCHORD_SANDBOX_DIRECT_FORK"),
             ("log_dir", "TOOLCHORD_LOG_DIR"),
             ("max_argument_bytes", "TOOLCHORD_MAX_ARGUMENT_BYTES"),
             ("max_result_data_bytes", "TOOLCHORD_MAX_RESULT_DATA_BYTES"),

@@ -17,16 +17,24 @@ from toolchord.worker.models import ToolCall, ToolResult
 from toolchord.worker.observability.hooks import observe_sandbox_run
 from toolchord.worker.results import result_from_outcome
 from toolchord.worker.sandbox import run_isolated
+from toolchord.worker.sandbox.profile import DirectFork
 from toolchord.worker.spill import SessionSpill, SpillStore
 from toolchord.worker.tools import ToolSpec
 
 
 def run_handler(
-    spec: ToolSpec, arguments: dict[str, Any], context: ToolContext, *, sandbox_uid: int | None = None
+    spec: ToolSpec,
+    arguments: dict[str, Any],
+    context: ToolContext,
+    *,
+    sandbox_uid: int | None = None,
+    direct_fork: DirectFork = "allow",
 ) -> HandlerOutcome:
     """Re-validate the arguments (they crossed a process boundary as JSON) and run the handler.
 
-    `sandbox_uid` (TOOLCHORD_SANDBOX_UID) applies to tools whose profile names no uid of its own.
+    `sandbox_uid` (TOOLCHORD_SANDBOX_UID) applies to tools whose profile names no uid of its own;
+    `direct_fork` (TOOLCHORD_SANDBOX_DIRECT_FORK) says whether a tool the sandbox zygote cannot
+    run may run in a direct fork of the worker.
     """
     if sandbox_uid is not None and spec.sandbox.uid is None:
         spec = spec.model_copy(update={"sandbox": spec.sandbox.model_copy(update={"uid": sandbox_uid})})
@@ -34,7 +42,9 @@ def run_handler(
         args = spec.args_model.model_validate(arguments)
     except ValidationError as exc:
         return HandlerOutcome(status="error", started=False, error_type="ValidationError", error_message=str(exc))
-    return observe_sandbox_run(spec, lambda: run_isolated(spec, args, context))
+    return observe_sandbox_run(
+        spec, lambda: run_isolated(spec, args, context, direct_fork=direct_fork)
+    )
 
 
 def execute_call(

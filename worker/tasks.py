@@ -212,7 +212,11 @@ class CallExecution:
         soft_limit = soft_limit_live() if not spec.sandbox.isolate else nullcontext()
         try:
             with self.rt.lease_renewer.hold(self.p.key, token), soft_limit:
-                outcome = run_handler(spec, self.p.arguments, self._context(), sandbox_uid=self.rt.settings.sandbox_uid)
+                outcome = run_handler(
+                    spec, self.p.arguments, self._context(),
+                    sandbox_uid=self.rt.settings.sandbox_uid,
+                    direct_fork=self.rt.settings.sandbox_direct_fork,
+                )
         except SoftTimeLimitExceeded:
             # It landed in toolchord's code around the handler, not in the handler itself.
             outcome = HandlerOutcome(status="error", error_type=SoftTimeLimitExceeded.__name__)

@@ -13,6 +13,7 @@ import fcntl
 import gc
 import io
 import os
+import posix
 import signal
 import sys
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ from toolchord.worker.sandbox.capabilities import LAYERS
 from toolchord.worker.sandbox.import_paths import ImportRoot, redirect_imports
 from toolchord.worker.sandbox.limits import apply_rlimits, mapped_bytes
 from toolchord.worker.sandbox.profile import Layer, SandboxProfile
+from toolchord.worker.sandbox.scrub import forget_worker_secrets
 from toolchord.worker.sandbox.syscalls import (
     CLONE_NEWIPC,
     CLONE_NEWNET,
@@ -97,7 +99,8 @@ class ChildPlan:
     "own" makes the child only a process group leader: enough for the group kill when the forking
     process has no controlling terminal (the zygote), and much cheaper where the kernel creates a
     scheduler autogroup per session; "inherited" keeps the group of the call's pid namespace init,
-    which the worker kills.
+    which the worker kills. `worker_fork` marks a direct fork of the worker, which forgets the
+    worker's connection secrets (`toolchord.worker.sandbox.scrub`) before anything else runs.
     """
 
     spec: ToolSpec
@@ -123,6 +126,7 @@ class ChildPlan:
     disk_quota: bool = False
     hidden_paths: tuple[str, ...] = ()
     ipc_namespace: bool = False
+    worker_fork: bool = False
 
     @property
     def profile(self) -> SandboxProfile:
@@ -132,17 +136,19 @@ class ChildPlan:
 def child_main(plan: ChildPlan) -> NoReturn:
     """Entry point right after fork; never returns."""
     own_pid = os.getpid()
-    # Inherited objects go to the permanent generation: a collection in the child then never walks
-    # (and so never copies) the worker's whole heap. The child is short-lived, nothing leaks.
-    gc.freeze()
     try:
         if plan.process_group == "session":
             os.setsid()
         elif plan.process_group == "own":
             os.setpgid(0, 0)
         _arrange_fds(plan)
+        if plan.worker_fork:
+            forget_worker_secrets()
     except BaseException:  # noqa: BLE001 - nothing may unwind into the worker's stack
         os._exit(SETUP_FAILED_STATUS)
+    # Inherited objects go to the permanent generation: a collection in the child then never walks
+    # (and so never copies) the worker's whole heap. The child is short-lived, nothing leaks.
+    gc.freeze()
     try:
         outcome = _confine_and_run(plan)
     except BaseException as exc:  # noqa: BLE001
@@ -246,6 +252,12 @@ def _scrub_environment(plan: ChildPlan) -> None:
     os.environ.update(profile.env)
     os.environ["HOME"] = plan.workdir
     os.environ["TMPDIR"] = plan.workdir
+    # posix.environ is the copy of the environment Python took at start (os.environ copied it and
+    # never writes it back): it would still hold every variable of the worker.
+    posix.environ.clear()
+    posix.environ.update(
+        (os.fsencode(name), os.fsencode(value)) for name, value in os.environ.items()
+    )
     _wipe_initial_block()
     sys.argv[:] = sys.argv[:1]
     sys.orig_argv[:] = sys.orig_argv[:1]

@@ -7,6 +7,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Layer = Literal["rlimits", "uid", "landlock", "seccomp", "netns", "cgroup", "disk", "ipc"]
+DirectFork = Literal["allow", "refuse"]
+"""TOOLCHORD_SANDBOX_DIRECT_FORK: whether a tool the sandbox zygote cannot run may run in a
+direct fork of the worker."""
 
 
 class SandboxProfile(BaseModel):

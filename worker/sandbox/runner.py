@@ -50,7 +50,7 @@ from toolchord.worker.sandbox.child import (
 from toolchord.worker.sandbox.disk import secret_directories
 from toolchord.worker.sandbox.import_paths import private_import_roots
 from toolchord.worker.sandbox.limits import cpu_seconds
-from toolchord.worker.sandbox.profile import Layer, SandboxProfile
+from toolchord.worker.sandbox.profile import DirectFork, Layer, SandboxProfile
 from toolchord.worker.sandbox.read_paths import DEVICE_PATHS, code_read_paths
 from toolchord.worker.sandbox.workdir import (
     Workdir,
@@ -59,6 +59,7 @@ from toolchord.worker.sandbox.workdir import (
     remove_workdir_later,
 )
 from toolchord.worker.sandbox.zygote import (
+    ZYGOTE_ENV,
     ZygoteToolError,
     ZygoteUnavailable,
     locate,
@@ -104,12 +105,15 @@ def run_isolated(
     context: ToolContext,
     *,
     timeout: float | None = None,
+    direct_fork: DirectFork = "allow",
 ) -> HandlerOutcome:
     """Run `call_handler(spec, args, context)` under the tool's sandbox profile. Never raises for
     anything the handler does; thread-safe.
 
     `timeout` defaults to `spec.timeout`. `context.workdir` is set to a fresh per-call directory,
     removed afterwards. With `spec.sandbox.isolate` False the handler runs in this process.
+    `direct_fork="refuse"` fails a call the zygote cannot run (`DirectForkRefused`, not started)
+    instead of running it in a fork of this process, whose memory holds the worker's secrets.
     """
     profile = spec.sandbox
     limit = spec.timeout if timeout is None else timeout
@@ -131,7 +135,14 @@ def run_isolated(
             )
         for layer in caps.missing(requested_layers(profile)):
             _warn_once(layer, caps)
-        return _supervise(spec, args, context, limit, caps)
+        return _supervise(spec, args, context, limit, caps, direct_fork)
+    except DirectForkRefused as exc:
+        return HandlerOutcome(
+            status="error",
+            started=False,
+            error_type="DirectForkRefused",
+            error_message=str(exc),
+        )
     except ZygoteUnavailable as exc:
         # Transient: the next call starts a new zygote, so the retry policy may try again.
         return HandlerOutcome(
@@ -218,12 +229,15 @@ def _supervise(
     context: ToolContext,
     limit: float,
     caps: SandboxCapabilities,
+    direct_fork: DirectFork,
 ) -> HandlerOutcome:
     workdir = make_workdir()
     call_cgroup = _make_cgroup(spec.sandbox, caps)
     watch: _Watch | None = None
     try:
-        watch = _start(spec, args, context, limit, workdir.path, caps, call_cgroup)
+        watch = _start(
+            spec, args, context, limit, workdir.path, caps, call_cgroup, direct_fork
+        )
         return watch.outcome(
             _planned_layers(spec.sandbox, caps, with_cgroup=call_cgroup is not None)
         )
@@ -427,6 +441,7 @@ def _start(
     workdir: str,
     caps: SandboxCapabilities,
     call_cgroup: cgroup.CallCgroup | None,
+    direct_fork: DirectFork,
 ) -> _Watch:
     layers = _Layers.plan(spec.sandbox, caps, call_cgroup, workdir)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
@@ -435,7 +450,13 @@ def _start(
     child_fds = (out_w, res_w, ctl_r)
     try:
         child = _start_in_zygote(spec, args, context, limit, workdir, layers, child_fds)
-        if child is None:
+        if isinstance(child, str):
+            if direct_fork == "refuse":
+                refused = DirectForkRefused(spec.name, child)
+                if _first_time(f"refused:{spec.name}"):
+                    _log.error("%s", refused)
+                raise refused
+            _note_direct(spec, child)
             child = _fork_worker(spec, args, context, limit, workdir, layers, child_fds)
     except BaseException:
         for fd in (out_r, out_w, res_r, res_w, ctl_r, ctl_w):
@@ -465,22 +486,22 @@ def _start_in_zygote(
     workdir: str,
     layers: _Layers,
     child_fds: tuple[int, int, int],
-) -> _Child | None:
-    """Hand the call to a child of the zygote; None when the tool runs in a direct fork (zygote
-    switched off, or a tool it cannot import or load). Raises ZygoteUnavailable when the zygote
-    is down: the call must then fail, never fall back to a fork of the worker."""
+) -> _Child | str:
+    """Hand the call to a child of the zygote; or why the zygote cannot run it (switched off, or
+    a tool it cannot import or load). Raises ZygoteUnavailable when the zygote is down: the call
+    must then fail, never fall back to a fork of the worker."""
     if not zygote_enabled():
-        return None
+        return f"the sandbox zygote is switched off ({ZYGOTE_ENV}=0)"
     locator = locate(spec)
     if locator is None:
-        _note_direct(
-            spec,
-            "its module cannot be imported by name (__main__, or defined in a function)",
+        return (
+            "the zygote cannot import it by name (defined in __main__ or inside a function, "
+            "or not reachable as an attribute of its module)"
         )
-        return None
     key = locator.model_dump_json()
-    if key in _zygote_refused:
-        return None
+    refused = _zygote_refused.get(key)
+    if refused is not None:
+        return refused
     profile = spec.sandbox
     payload = CallPayload(
         args_json=args.model_dump_json(round_trip=True),
@@ -509,9 +530,8 @@ def _start_in_zygote(
             locator, payload.model_dump_json().encode(), child_fds
         )
     except ZygoteToolError as exc:
-        _zygote_refused.add(key)
-        _note_direct(spec, f"the zygote cannot load it: {exc}")
-        return None
+        reason = _zygote_refused[key] = f"the zygote cannot load it: {exc}"
+        return reason
 
 
 def _fork_worker(
@@ -547,6 +567,7 @@ def _fork_worker(
         disk_quota=layers.disk_quota,
         hidden_paths=layers.hidden_paths,
         ipc_namespace=layers.ipc_namespace,
+        worker_fork=True,
     )
     pid = os.fork()
     if pid == 0:
@@ -554,16 +575,36 @@ def _fork_worker(
     return _ForkedChild(pid)
 
 
-# Tools (locators) the zygote failed to load: their calls fork the worker from then on.
-_zygote_refused: set[str] = set()
+# Tools (locators) the zygote failed to load, and why: it is not asked again.
+_zygote_refused: dict[str, str] = {}
 _direct_noted: set[str] = set()
 
 
-def _note_direct(spec: ToolSpec, reason: str) -> None:
+class DirectForkRefused(Exception):
+    """The zygote cannot run this tool and direct forks of the worker are refused."""
+
+    def __init__(self, tool_name: str, reason: str) -> None:
+        super().__init__(
+            f"tool {tool_name} was not run: {reason}, and TOOLCHORD_SANDBOX_DIRECT_FORK=refuse "
+            "forbids running it in a direct fork of the worker (whose memory holds the worker's "
+            "secrets); define it at module level of a module the zygote can import "
+            "(TOOLCHORD_TOOL_MODULES) without the worker's environment"
+        )
+        self.tool_name = tool_name
+
+
+def _first_time(key: str) -> bool:
     with _warned_lock:
-        if spec.name in _direct_noted:
-            return
-        _direct_noted.add(spec.name)
+        if key in _direct_noted:
+            return False
+        _direct_noted.add(key)
+        return True
+
+
+def _note_direct(spec: ToolSpec, reason: str) -> None:
+    # With the zygote switched off every call forks the worker, by the operator's choice.
+    if not zygote_enabled() or not _first_time(spec.name):
+        return
     _log.warning(
         "tool %s runs in a direct fork of the worker, not in the sandbox zygote: %s; its "
         "handler can read the worker's memory",

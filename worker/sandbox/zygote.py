@@ -47,7 +47,7 @@ from toolchord.worker.sandbox.zygote_protocol import (
     ZygoteRequest,
 )
 from toolchord.worker.sandbox.zygote_server import BOOTSTRAP
-from toolchord.worker.tools import ToolSpec
+from toolchord.worker.tools import ToolSpec, tool
 
 ZYGOTE_ENV = "TOOLCHORD_SANDBOX_ZYGOTE"
 """Set to 0 (or false/off/no) to run every isolated call in a direct fork of the worker."""
@@ -621,7 +621,48 @@ def _find(spec: ToolSpec) -> ToolLocator | None:
                         attribute=attribute,
                         registry_tool=candidate.name,
                     )
-    return None
+    return _function_locator(spec, module_name, module)
+
+
+def _function_locator(
+    spec: ToolSpec, module_name: str, module: object
+) -> ToolLocator | None:
+    """A `tool(fn)` wrap of a module-level function (made in `__main__`, in a function, or under
+    another name): the zygote wraps the same function again, which gives the same tool as long
+    as the spec's argument handling is the one `tool(fn)` derives from the function."""
+    qualname = getattr(spec.handler, "__qualname__", "")
+    if not qualname or "<locals>" in qualname:
+        return None
+    found: object = module
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if found is not spec.handler:
+        return None
+    try:
+        rebuilt = tool(spec.handler, name=spec.name)
+    except (TypeError, ValueError, NameError):
+        return None
+    if not _same_arguments(rebuilt, spec):
+        return None
+    return ToolLocator(module=module_name, attribute=qualname, function_tool=spec.name)
+
+
+def _same_arguments(rebuilt: ToolSpec, spec: ToolSpec) -> bool:
+    """`spec` handles arguments and exceptions as `tool(handler)` does: its model is the same
+    class (a model parameter), or one generated from the same signature (no validators of its own)."""
+    if (
+        rebuilt.unpack_args != spec.unpack_args
+        or rebuilt.context_param != spec.context_param
+        or rebuilt.transient != spec.transient
+    ):
+        return False
+    if rebuilt.args_model is spec.args_model:
+        return True
+    # Models `tool()` generates from a signature belong to the module that defines ToolSpec.
+    return (
+        spec.args_model.__module__ == rebuilt.args_model.__module__ == ToolSpec.__module__
+        and spec.args_model.model_json_schema() == rebuilt.args_model.model_json_schema()
+    )
 
 
 def _same_tool(found: ToolSpec, spec: ToolSpec) -> bool:

@@ -66,11 +66,13 @@ class ZygoteReady(BaseModel):
 
 
 class ToolLocator(BaseModel):
-    """Where the zygote finds a tool: a module-level ToolSpec, or a tool of a module-level Registry."""
+    """Where the zygote finds a tool: a module-level ToolSpec, a tool of a module-level Registry,
+    or (with `function_tool`, the tool's name) a module-level function it wraps with `tool()`."""
 
     module: str
-    attribute: str
+    attribute: str = Field(description="Attribute of the module; a dotted qualname for a function.")
     registry_tool: str | None = None
+    function_tool: str | None = None
 
 
 class ZygoteRequest(BaseModel):

@@ -196,7 +196,9 @@ def _keep(pid: int) -> NoReturn:
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
-        signal.signal(signum, signal.SIG_DFL)
+        if signum != signal.SIGKILL:
+            # Setting SIGKILL's disposition raises (and the keeper then exited with status 1).
+            signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
@@ -248,9 +250,14 @@ class _Zygote:
 
     def _receive(self) -> None:
         fds = array.array("i")
-        message, ancillary, _flags, _address = self.sock.recvmsg(
-            MAX_MESSAGE_BYTES, socket.CMSG_SPACE(fds.itemsize)
-        )
+        try:
+            message, ancillary, _flags, _address = self.sock.recvmsg(
+                MAX_MESSAGE_BYTES, socket.CMSG_SPACE(fds.itemsize)
+            )
+        except ConnectionError:
+            # A worker that closes its end with spare offers still unread resets the connection:
+            # as normal a stop as end of file.
+            self._shut_down()
         for level, kind, data in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
@@ -280,8 +287,14 @@ class _Zygote:
         spec = self.specs.get(key)
         if spec is None:
             locator = ToolLocator.model_validate_json(key)
-            value = getattr(importlib.import_module(locator.module), locator.attribute)
-            if locator.registry_tool is not None:
+            value = importlib.import_module(locator.module)
+            for part in locator.attribute.split("."):
+                value = getattr(value, part)
+            if locator.function_tool is not None:
+                if not callable(value):
+                    raise TypeError(f"{locator.module}.{locator.attribute} is not a function")
+                value = tool(value, name=locator.function_tool)
+            elif locator.registry_tool is not None:
                 if not isinstance(value, Registry):
                     raise TypeError(
                         f"{locator.module}.{locator.attribute} is not a Registry"
