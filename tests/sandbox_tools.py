@@ -365,3 +365,9 @@ def escape_and_sleep() -> int:
         os._exit(0)
     os.close(write_fd)
     return int(os.read(read_fd, 32))
+
+
+def plain_parent_pid() -> int:
+    """The pid of the process that forked this call; left undecorated so callers wrap it with
+    `tool(...)` themselves."""
+    return os.getppid()

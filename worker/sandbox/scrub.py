@@ -78,7 +78,13 @@ def _clear(obj: Any) -> None:
     for mapping in (*_instance_fields(conf).get("maps", ()), fields.get("_preconf")):
         if isinstance(mapping, MutableMapping):
             _clear_mapping(mapping)
-    for attribute in ("connection_kwargs", "connparams", "sentinel_kwargs", "_initial_params"):
+    for attribute in (
+        "connection_kwargs",
+        "_connection_kwargs",
+        "connparams",
+        "sentinel_kwargs",
+        "_initial_params",
+    ):
         mapping = fields.get(attribute)
         if isinstance(mapping, MutableMapping):
             _clear_mapping(mapping)

@@ -636,6 +636,8 @@ def _function_locator(
     found: object = module
     for part in qualname.split("."):
         found = getattr(found, part, None)
+    if isinstance(found, ToolSpec):
+        found = found.handler  # `tool(other_tool.handler, ...)`: the decorated function again
     if found is not spec.handler:
         return None
     try:

@@ -291,6 +291,8 @@ class _Zygote:
             for part in locator.attribute.split("."):
                 value = getattr(value, part)
             if locator.function_tool is not None:
+                if isinstance(value, ToolSpec):
+                    value = value.handler
                 if not callable(value):
                     raise TypeError(f"{locator.module}.{locator.attribute} is not a function")
                 value = tool(value, name=locator.function_tool)
