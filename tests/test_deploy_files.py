@@ -277,6 +277,13 @@ def test_systemd_unit_parses_and_is_hardened() -> None:
     assert int(service["TimeoutStopSec"]) > 300
 
 
+def test_systemd_unit_allows_the_namespaces_the_sandbox_needs() -> None:
+    # user: an unprivileged call's own; mnt: the disk layer; net: netns; pid: the zygote's and
+    # each call's; ipc: a call's own IPC namespace. Anything else stays forbidden.
+    allowed = set(unit()["Service"]["RestrictNamespaces"].split())
+    assert allowed == {"user", "mnt", "net", "pid", "ipc"}
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 def test_systemd_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     """`systemd-analyze verify` checks every directive; it needs ExecStart's binary to exist, so the

@@ -169,6 +169,18 @@ def test_k8s_pods_are_locked_down() -> None:
                 assert container["resources"]["limits"]["memory"], name
 
 
+def test_every_deployment_refuses_direct_forks_of_the_worker() -> None:
+    """A tool the sandbox zygote cannot import must fail, not run with the worker's secrets."""
+    setting = "TOOLCHORD_SANDBOX_DIRECT_FORK"
+    compose_env = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["x-toolchord-env"]
+    assert compose_env[setting] == "refuse"
+    configmap = yaml.safe_load((ROOT / "deploy" / "k8s" / "configmap.yaml").read_text())
+    assert configmap["data"][setting] == "refuse"
+    assert f"{setting}=refuse" in (ROOT / "Dockerfile").read_text()
+    env_file = (ROOT / "deploy" / "systemd" / "worker.env.example").read_text().splitlines()
+    assert f"{setting}=refuse" in env_file
+
+
 def test_every_variable_the_deployment_uses_is_documented() -> None:
     documented = (ROOT / "docs" / "configuration.md").read_text()
     used: set[str] = set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 import weakref
@@ -134,9 +135,20 @@ def runtime_of(app: Celery) -> WorkerRuntime:
 @worker_init.connect
 def _probe_sandbox(**_: Any) -> None:
     # In the main process, before the pool forks: children reuse the cached probe.
-    from toolchord.worker.sandbox import probe
+    from toolchord.worker.sandbox.capabilities import tools_missing_required
 
-    probe()
+    missing = tools_missing_required(spec for runtime in _RUNTIMES for spec in runtime.registry)
+    if missing:
+        # Every call of these tools would fail: stop here, where the operator sees it. SystemExit,
+        # because Celery logs and ignores the exceptions its signal handlers raise.
+        message = "toolchord worker refuses to start: required sandbox layers unavailable here: " + "; ".join(
+            f"tool {name} requires {', '.join(layers)}" for name, layers in sorted(missing.items())
+        ) + " (see the sandbox layer lines of this log and docs/sandbox.md)"
+        from toolchord.worker.sandbox import log_layers
+
+        log_layers()
+        logging.getLogger("toolchord.sandbox").error(message)
+        raise SystemExit(message)
 
 
 @worker_ready.connect

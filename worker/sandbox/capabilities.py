@@ -15,6 +15,8 @@ import resource
 import socket
 import tempfile
 import threading
+from collections.abc import Iterable
+from typing import Protocol
 
 from pydantic import BaseModel, Field
 
@@ -23,6 +25,7 @@ from toolchord.worker.sandbox.profile import Layer, SandboxProfile
 from toolchord.worker.sandbox.syscalls import (
     CLONE_NEWIPC,
     CLONE_NEWNET,
+    CLONE_NEWPID,
     PR_SET_NO_NEW_PRIVS,
     drop_capabilities,
     load_seccomp_bpf,
@@ -41,6 +44,34 @@ LAYERS: tuple[Layer, ...] = (
     "disk",
     "ipc",
 )
+
+EXPECTED_LAYERS: tuple[Layer, ...] = ("rlimits", "landlock", "seccomp", "netns", "disk", "ipc")
+"""Layers every deployment toolchord ships (image, compose, Kubernetes, systemd) is meant to have:
+one that is off there was refused by the host or the deployment. `uid` needs a root worker and
+`cgroup` a writable or delegated cgroup, so those two are only warned about."""
+_NAMESPACE_FIX = (
+    "allow the user, mount, network, pid and ipc namespaces to the worker (systemd: "
+    "RestrictNamespaces=user mnt net pid ipc, as in the shipped unit; containers: a seccomp "
+    "profile that allows unshare and clone with namespace flags; hosts: user.max_user_namespaces "
+    "> 0 and no AppArmor restriction of unprivileged user namespaces)"
+)
+_FIXES: dict[str, str] = {
+    "rlimits": "a Linux kernel with getrlimit",
+    "landlock": "a kernel >= 5.13 with landlock in its LSM list (boot option lsm=...,landlock)",
+    "seccomp": "install libseccomp2 (the images do) and allow seccomp filters",
+    "netns": _NAMESPACE_FIX,
+    "disk": _NAMESPACE_FIX,
+    "ipc": _NAMESPACE_FIX,
+    "pid namespace": _NAMESPACE_FIX,
+}
+
+
+class ToolSpecLike(Protocol):
+    """What the start check reads of a tool (a ToolSpec)."""
+
+    name: str
+    sandbox: SandboxProfile
+
 
 _lock = threading.Lock()
 _cached: SandboxCapabilities | None = None
@@ -66,6 +97,12 @@ class SandboxCapabilities(BaseModel):
     disk: LayerStatus
     ipc: LayerStatus
     landlock_abi: int = Field(default=0, description="Landlock ABI version (0: none).")
+    pid_namespace: LayerStatus = Field(
+        default=LayerStatus(available=True, detail="not probed"),
+        description="Whether the zygote and each call can have a pid namespace of their own "
+        "(not a layer a profile asks for: it keeps an unprivileged worker's calls from "
+        "signalling each other, the zygote and the worker).",
+    )
 
     def status(self, layer: Layer) -> LayerStatus:
         """The probe result of one layer."""
@@ -106,7 +143,11 @@ def describe_layers() -> str:
 
 
 def log_layers(logger: logging.Logger | None = None) -> SandboxCapabilities:
-    """Log the active layers (info) and each unavailable one (warning); call at worker start."""
+    """Log the active layers (info) and each unavailable one (warning); call at worker start.
+
+    Layers every shipped deployment is meant to have (EXPECTED_LAYERS, and the pid namespaces of
+    an unprivileged worker) that this host or deployment refused are moreover listed in one
+    ERROR line with the deployment fix for each."""
     log = logger or _log
     caps = probe()
     log.info(describe_layers())
@@ -114,7 +155,40 @@ def log_layers(logger: logging.Logger | None = None) -> SandboxCapabilities:
         status = caps.status(layer)
         if not status.available:
             log.warning("sandbox layer %s unavailable: %s", layer, status.detail)
+    refused = refused_layers(caps)
+    if refused:
+        log.error(
+            "SANDBOX LAYERS REFUSED by this host or deployment, calls run without them: %s",
+            "; ".join(
+                f"{name} ({detail}) -> fix: {_FIXES[name]}" for name, detail in refused.items()
+            ),
+        )
     return caps
+
+
+def refused_layers(caps: SandboxCapabilities) -> dict[str, str]:
+    """The documented layers this host refused (the pid namespace only counts for unprivileged
+    workers, which rely on it), each with why."""
+    refused = {
+        layer: caps.status(layer).detail
+        for layer in EXPECTED_LAYERS
+        if not caps.status(layer).available
+    }
+    if os.geteuid() != 0 and not caps.pid_namespace.available:
+        refused["pid namespace"] = caps.pid_namespace.detail
+    return refused
+
+
+def tools_missing_required(specs: Iterable[ToolSpecLike]) -> dict[str, list[Layer]]:
+    """Isolated tools whose `required` layers this host lacks, with those layers: every call of
+    theirs would fail, so a worker that has them refuses to start."""
+    caps = probe()
+    missing: dict[str, list[Layer]] = {}
+    for spec in specs:
+        lacking = caps.missing(spec.sandbox.required)
+        if spec.sandbox.isolate and lacking:
+            missing[spec.name] = lacking
+    return missing
 
 
 def _probe() -> SandboxCapabilities:
@@ -201,6 +275,9 @@ def _probe() -> SandboxCapabilities:
         "an IPC namespace per call (SysV IPC and POSIX message queues end with the call)",
         "unshare failed (seccomp refuses SysV IPC and message queues instead)",
     )
+    pid_namespace = _trial_status(
+        trial, "pid_namespace", "for the zygote and each call", "unshare failed"
+    )
     return SandboxCapabilities(
         rlimits=rlimits,
         uid=uid,
@@ -211,6 +288,7 @@ def _probe() -> SandboxCapabilities:
         disk=disk_status,
         ipc=ipc,
         landlock_abi=abi,
+        pid_namespace=pid_namespace,
     )
 
 
@@ -265,7 +343,12 @@ def _try_in_child(
                     report["disk"] = True
                 except OSError as exc:
                     report["disk_error"] = str(exc)
-                for layer, flag in (("netns", CLONE_NEWNET), ("ipc", CLONE_NEWIPC)):
+                for layer, flag in (
+                    ("netns", CLONE_NEWNET),
+                    ("ipc", CLONE_NEWIPC),
+                    # As the zygote does (for the next child it forks).
+                    ("pid_namespace", CLONE_NEWPID),
+                ):
                     try:
                         unshare(flag)
                         report[layer] = True
@@ -274,7 +357,7 @@ def _try_in_child(
                 if os.geteuid() != 0:
                     drop_capabilities()
             except OSError as exc:
-                for layer in ("disk", "netns", "ipc"):
+                for layer in ("disk", "netns", "ipc", "pid_namespace"):
                     report[f"{layer}_error"] = f"user namespace: {exc}"
             try:
                 prctl(PR_SET_NO_NEW_PRIVS, 1)
