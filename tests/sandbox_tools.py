@@ -371,3 +371,13 @@ def plain_parent_pid() -> int:
     """The pid of the process that forked this call; left undecorated so callers wrap it with
     `tool(...)` themselves."""
     return os.getppid()
+
+
+@tool(timeout=10)
+def hold_in_memfd(megabytes: int) -> int:
+    """Hold `megabytes` in an anonymous memory file (memfd): memory that is not address space."""
+    fd = os.memfd_create("hold")
+    chunk = b"\x03" * (1024 * 1024)
+    for _ in range(megabytes):
+        os.write(fd, chunk)
+    return os.fstat(fd).st_size

@@ -171,3 +171,28 @@ def test_a_grandchild_that_left_the_process_group_dies_with_the_call(monkeypatch
     else:
         os.kill(pid, 9)
         pytest.fail(f"the escaped grandchild {pid} outlived its call")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to set up the unprivileged worker")
+def test_without_a_cgroup_a_call_cannot_hold_memory_in_a_memfd() -> None:
+    """memfd pages are not address space: without a cgroup, RLIMIT_AS would not bound them and
+    RLIMIT_FSIZE bounds each file, not their number, so memfd_create is refused (EPERM)."""
+    outcome = run_unprivileged("hold_in_memfd", without=("cgroup",), megabytes=8)
+    assert (outcome.status, outcome.error_type) == ("error", "PermissionError"), outcome
+    assert "Operation not permitted" in (outcome.error_message or "")
+    assert "cgroup" not in outcome.sandbox_layers and "seccomp" in outcome.sandbox_layers
+
+
+@pytest.mark.skipif("cgroup" not in probe().available(), reason="needs the cgroup layer")
+def test_with_a_cgroup_memfd_pages_count_against_the_call() -> None:
+    allowed = run(tools.hold_in_memfd, megabytes=8)
+    assert (allowed.status, allowed.data) == ("ok", 8 * 1024 * 1024), allowed
+    too_much = run(
+        tools.hold_in_memfd.model_copy(
+            update={"sandbox": tools.hold_in_memfd.sandbox.model_copy(update={"memory_mb": 64})}
+        ),
+        megabytes=200,
+    )
+    # Past max_file_size_mb (64) the write fails with EFBIG; the cgroup (64 MiB) may kill it first.
+    assert too_much.status in ("error", "crashed"), too_much
+    assert too_much.error_type in ("OSError", "MemoryLimitExceeded"), too_much

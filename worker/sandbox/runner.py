@@ -417,8 +417,11 @@ class _Layers:
         if "seccomp" in available:
             from toolchord.worker.sandbox.seccomp_filter import compile_filter
 
+            # memfd pages count only against a cgroup: without one, no memfd_create.
             seccomp_program = compile_filter(
-                network=profile.network, ipc_namespace="ipc" in available
+                network=profile.network,
+                ipc_namespace="ipc" in available,
+                memfd=call_cgroup is not None,
             )
         return cls(
             drop_uid="uid" in available,

@@ -130,20 +130,25 @@ _CLONE_NAMESPACE_FLAGS = (
 )
 
 _lock = threading.Lock()
-_programs: dict[tuple[bool, bool], bytes] = {}
+_programs: dict[tuple[bool, bool, bool], bytes] = {}
 
 
-def compile_filter(network: bool, ipc_namespace: bool = True) -> bytes:
+def compile_filter(network: bool, ipc_namespace: bool = True, memfd: bool = True) -> bytes:
     """The BPF program for a child with or without network access, in an IPC namespace of its
-    own or not (then SysV IPC and POSIX message queues are refused); cached per process."""
-    key = (network, ipc_namespace)
+    own or not (then SysV IPC and POSIX message queues are refused), and with or without
+    `memfd_create`; cached per process.
+
+    Without a cgroup nothing bounds a call's memfd pages: they are neither address space
+    (RLIMIT_AS) nor on a size-limited filesystem, and RLIMIT_FSIZE bounds each file, not their
+    number. So a call without the cgroup layer gets `memfd=False` (EPERM)."""
+    key = (network, ipc_namespace, memfd)
     with _lock:
         if key not in _programs:
-            _programs[key] = _build(network, ipc_namespace)
+            _programs[key] = _build(network, ipc_namespace, memfd)
         return _programs[key]
 
 
-def _build(network: bool, ipc_namespace: bool) -> bytes:
+def _build(network: bool, ipc_namespace: bool, memfd: bool) -> bytes:
     import pyseccomp as seccomp
 
     deny = seccomp.ERRNO(errno.EPERM)
@@ -154,7 +159,10 @@ def _build(network: bool, ipc_namespace: bool) -> bytes:
         except (OSError, ValueError):
             continue  # a call this architecture does not have
     filt.add_rule(deny, "execveat", seccomp.Arg(4, seccomp.MASKED_EQ, AT_EMPTY_PATH, AT_EMPTY_PATH))
-    filt.add_rule(deny, "memfd_create", seccomp.Arg(1, seccomp.MASKED_EQ, MFD_NOEXEC_SEAL, 0))
+    if memfd:
+        filt.add_rule(deny, "memfd_create", seccomp.Arg(1, seccomp.MASKED_EQ, MFD_NOEXEC_SEAL, 0))
+    else:
+        filt.add_rule(deny, "memfd_create")
     for request in TERMINAL_INJECTION_IOCTLS:
         filt.add_rule(deny, "ioctl", seccomp.Arg(1, seccomp.MASKED_EQ, _LOW_32, request))
     for flag in (*_CLONE_NAMESPACE_FLAGS, CLONE_PARENT):
