@@ -16,7 +16,7 @@ import socket
 import tempfile
 import threading
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
 
@@ -66,12 +66,8 @@ _FIXES: dict[str, str] = {
 }
 
 
-class ToolSpecLike(Protocol):
-    """What the start check reads of a tool (a ToolSpec)."""
-
-    name: str
-    sandbox: SandboxProfile
-
+if TYPE_CHECKING:
+    from toolchord.worker.tools import ToolSpec
 
 _lock = threading.Lock()
 _cached: SandboxCapabilities | None = None
@@ -169,7 +165,7 @@ def log_layers(logger: logging.Logger | None = None) -> SandboxCapabilities:
 def refused_layers(caps: SandboxCapabilities) -> dict[str, str]:
     """The documented layers this host refused (the pid namespace only counts for unprivileged
     workers, which rely on it), each with why."""
-    refused = {
+    refused: dict[str, str] = {
         layer: caps.status(layer).detail
         for layer in EXPECTED_LAYERS
         if not caps.status(layer).available
@@ -179,7 +175,7 @@ def refused_layers(caps: SandboxCapabilities) -> dict[str, str]:
     return refused
 
 
-def tools_missing_required(specs: Iterable[ToolSpecLike]) -> dict[str, list[Layer]]:
+def tools_missing_required(specs: Iterable[ToolSpec]) -> dict[str, list[Layer]]:
     """Isolated tools whose `required` layers this host lacks, with those layers: every call of
     theirs would fail, so a worker that has them refuses to start."""
     caps = probe()

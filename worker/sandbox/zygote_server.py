@@ -287,7 +287,7 @@ class _Zygote:
         spec = self.specs.get(key)
         if spec is None:
             locator = ToolLocator.model_validate_json(key)
-            value = importlib.import_module(locator.module)
+            value: object = importlib.import_module(locator.module)
             for part in locator.attribute.split("."):
                 value = getattr(value, part)
             if locator.function_tool is not None:
