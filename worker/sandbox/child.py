@@ -13,7 +13,6 @@ import fcntl
 import gc
 import io
 import os
-import posix
 import signal
 import sys
 from collections.abc import Mapping
@@ -252,12 +251,6 @@ def _scrub_environment(plan: ChildPlan) -> None:
     os.environ.update(profile.env)
     os.environ["HOME"] = plan.workdir
     os.environ["TMPDIR"] = plan.workdir
-    # posix.environ is the copy of the environment Python took at start (os.environ copied it and
-    # never writes it back): it would still hold every variable of the worker.
-    posix.environ.clear()
-    posix.environ.update(
-        (os.fsencode(name), os.fsencode(value)) for name, value in os.environ.items()
-    )
     _wipe_initial_block()
     sys.argv[:] = sys.argv[:1]
     sys.orig_argv[:] = sys.orig_argv[:1]
