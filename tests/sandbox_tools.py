@@ -375,8 +375,9 @@ def plain_parent_pid() -> int:
 
 @tool(timeout=10)
 def hold_in_memfd(megabytes: int) -> int:
-    """Hold `megabytes` in an anonymous memory file (memfd): memory that is not address space."""
-    fd = os.memfd_create("hold")
+    """Hold `megabytes` in an anonymous memory file (memfd): memory that is not address space.
+    Non-executable (MFD_NOEXEC_SEAL), the only kind the sandbox allows at all."""
+    fd = os.memfd_create("hold", os.MFD_CLOEXEC | 0x0008)
     chunk = b"\x03" * (1024 * 1024)
     for _ in range(megabytes):
         os.write(fd, chunk)
