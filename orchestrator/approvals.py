@@ -233,11 +233,8 @@ class ApprovalDesk:
                 dc = DispatchedCall(call=approval.call, arguments={}, key=approval.key, task_id=approval.task_id,
                                     side_effect=approval.side_effect)
                 reason = f"the approved call's {approval.run_window:g} s run window passed"
-                stand_in = self.orch._unfinished(record, dc, reason)
-                # A result stored just before the cancel flag went up is the truth, not the stand-in.
-                raw = store.result(approval.key)
-                found[approval.call.id] = (stand_in if raw is None else ToolResult.model_validate_json(raw)
-                                           .model_copy(update={"call_id": approval.call.id}))
+                # A result stored before the call was settled is the truth, not a stand-in.
+                found[approval.call.id], _ = self.orch._unfinished(record, dc, reason)
             if len(found) == len(approved):
                 return found
             time.sleep(_RESULT_POLL)

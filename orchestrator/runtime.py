@@ -18,6 +18,7 @@ from celery import Celery, chain, chord, states
 from celery.backends.redis import RedisBackend
 from celery.canvas import Signature
 from celery.exceptions import TimeoutError as CeleryTimeoutError
+from kombu.exceptions import OperationalError
 
 from toolchord.orchestrator.approval_store import Approval
 from toolchord.orchestrator.approvals import ApprovalDesk, needs_approval
@@ -33,6 +34,7 @@ from toolchord.orchestrator.waiting import PollingResultWaiter, RedisResultWaite
 from toolchord.worker import errors
 from toolchord.worker.celery_app import WorkerRuntime, create_app, runtime_of
 from toolchord.worker.config import Settings
+from toolchord.worker.idempotency import ClaimState
 from toolchord.worker.models import ErrorCode, ToolCall, ToolResult
 from toolchord.worker.payloads import CallPayload, cancel_scope
 from toolchord.worker.policy import policy_of
@@ -81,6 +83,10 @@ def _release_pending(backend: Any, task_ids: list[str]) -> None:
 
 def _is_unknown(result: ToolResult) -> bool:
     return result.error is not None and result.error.code == ErrorCode.OUTCOME_UNKNOWN
+
+
+def _not_executed(result: ToolResult) -> bool:
+    return result.error is not None and result.error.code == ErrorCode.NOT_EXECUTED
 
 
 def _may_still_finish(dc: DispatchedCall, code: ErrorCode, unfinished: bool) -> bool:
@@ -263,6 +269,22 @@ class Orchestrator:
             _release_pending(self.app.backend, [dc.task_id for dc in record.dispatched])
         return body_id
 
+    def _dispatch_patiently(self, record: TurnRecord) -> str | None:
+        """`_dispatch`, waiting up to the turn's deadline for a broker that cannot be reached (a
+        restart, a failover); OperationalError when it still cannot be reached then."""
+        try:
+            return self._dispatch(record)
+        except OperationalError as exc:
+            log.warning("turn %s: the broker is unreachable (%s); waiting for it until the deadline", record.turn_id, exc)
+        # Celery's publish retry cannot cover this: kombu connects a producer with the connection's
+        # own options, not the publish's retry policy (kombu issues 735, 1024). Resending is safe: a
+        # resubmitted chord keeps its task ids and keys.
+        with self.app.connection_for_write() as connection:
+            connection.ensure_connection(
+                timeout=max(record.deadline - time.time(), 0.001), interval_start=0, interval_step=0.5, interval_max=1
+            )
+        return self._dispatch(record)
+
     # -- finishing ----------------------------------------------------------------------------
 
     def _finish(self, record: TurnRecord, collected: list[dict[str, Any]] | None, reason: str) -> TurnResult:
@@ -281,9 +303,12 @@ class Orchestrator:
             for dc, raw in zip(unsettled, stored, strict=True):
                 if raw is not None:
                     by_id[dc.call.id] = ToolResult.model_validate_json(raw).model_copy(update={"call_id": dc.call.id})
-                elif dc.call.id not in by_id:
-                    by_id[dc.call.id] = self._unfinished(record, dc, reason)
-                    unfinished.add(dc.call.id)
+                elif (found := by_id.get(dc.call.id)) is None or _not_executed(found):
+                    # A worker's NOT_EXECUTED is settled here again: one that could not reach Redis
+                    # left the call able to start later.
+                    by_id[dc.call.id], was_stored = self._unfinished(record, dc, reason, found)
+                    if not was_stored:
+                        unfinished.add(dc.call.id)
         watched = [
             LateCall(call=dc.call, key=dc.key, turn_id=record.turn_id, reported=error.code.value)
             for dc in record.dispatched
@@ -312,16 +337,26 @@ class Orchestrator:
     def _stored_results(self, keys: list[str]) -> list[str | None]:
         return self.runtime.store.results(keys)
 
-    def _unfinished(self, record: TurnRecord, dc: DispatchedCall, reason: str) -> ToolResult:
-        """The truthful result for a call that has none when the turn ends."""
-        store = self.runtime.store
-        # Flag first, then look: a worker's claim checks the flag and records the start in one
-        # atomic step, so either we see its start here or it sees the flag and does not run (no
-        # call is reported NOT_EXECUTED and then run).
-        store.cancel(cancel_scope(record.turn_id, dc.key), self.runtime.settings.result_ttl)
-        self.app.control.revoke(dc.task_id)
-        if not store.started(dc.key):
-            return errors.error_result(dc.call, errors.not_executed(dc.call, reason))
+    def _unfinished(
+        self, record: TurnRecord, dc: DispatchedCall, reason: str, not_run: ToolResult | None = None
+    ) -> tuple[ToolResult, bool]:
+        """The truthful result for a call that has none when the turn ends (or only `not_run`, a
+        worker's NOT_EXECUTED), and whether it is the stored one."""
+        # One atomic step: a stored result is taken, a recorded start means the call began, and
+        # otherwise the cancel flag is set, which every later claim refuses (no call is reported
+        # NOT_EXECUTED and then run).
+        settled = self.runtime.store.settle(dc.key, cancel_scope(record.turn_id, dc.key), self.runtime.settings.result_ttl)
+        if settled.state is ClaimState.STORED and settled.result_json is not None:
+            return ToolResult.model_validate_json(settled.result_json).model_copy(update={"call_id": dc.call.id}), True
+        if not_run is None:
+            try:
+                self.app.control.revoke(dc.task_id)
+            except OperationalError as exc:
+                # Only a shortcut for workers: the settled key already keeps the call from starting.
+                log.warning("could not revoke call %s: %s", dc.call.id, exc)
+        if settled.state is ClaimState.CANCELLED:
+            return not_run or errors.error_result(dc.call, errors.not_executed(dc.call, reason)), False
+        reason = reason or "the turn ended"
         if policy_of(dc.side_effect).unobserved_is_unknown:
             error = errors.outcome_unknown(dc.call, f"{reason} while it was running")
         elif reason.startswith("the turn was cancelled"):
@@ -329,7 +364,7 @@ class Orchestrator:
         else:
             # The turn stopped waiting; the tool's own timeout did not stop the call.
             error = errors.turn_stopped_waiting(dc.call, reason)
-        return errors.error_result(dc.call, error)
+        return errors.error_result(dc.call, error), False
 
     def _late_results(self, record: TurnRecord) -> tuple[list[ToolResult], list[str]]:
         """Results that arrived for earlier turns' late calls, and those calls' keys."""
@@ -370,7 +405,12 @@ class Orchestrator:
         self._waiting.add(turn)
         try:
             # A resubmitted chord keeps task ids and keys: stored results return without running again.
-            body_id = self._dispatch(record)
+            body_id = self._dispatch_patiently(record)
+        except OperationalError as exc:
+            # The broker stayed unreachable until the deadline: no call may start later, each gets
+            # its truthful result (NOT_EXECUTED unless part of the chord got out and started).
+            log.warning("turn %s: the broker was unreachable: %s", turn_id, exc)
+            return self._finish(record, None, "the broker could not be reached before the turn's deadline")
         except BaseException:
             self._waiting.discard(turn)
             raise

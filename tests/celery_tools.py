@@ -117,6 +117,12 @@ def chained_unsafe(resource: str, key: str, seconds: float = 0.0) -> int:
     return _effect(key, seconds)
 
 
+@tool(sandbox=SANDBOX, side_effect="unsafe", timeout=30, resource=lambda args: args["resource"])
+def serial_unsafe(resource: str, key: str, seconds: float = 0.0) -> int:
+    """Count a side effect on a shared resource, then take a while (a 30 s timeout outlasts a paused worker)."""
+    return _effect(key, seconds)
+
+
 @tool(sandbox=SANDBOX, side_effect="read", max_output_chars=400)
 def long_text(word: str) -> str:
     """Return far more text than the model may see at once."""

@@ -9,6 +9,8 @@ Each key has up to four records:
 - `started` set when a claim is taken and kept with the result TTL: a later claimer that finds it
             knows an earlier attempt began and may have acted (worker lost);
 - `cancel`  a cooperative cancel flag the orchestrator sets; a worker that sees it does not start;
+            it is also the tombstone of a call reported NOT_EXECUTED (`settle`), so that call
+            can never start afterwards;
 - `provisional` set beside a result that stands in for an outcome nobody saw (`OUTCOME_UNKNOWN`
             stored by a redelivery while the first attempt looked lost): if that first attempt
             comes back after all, its real result replaces the stand-in.
@@ -56,6 +58,7 @@ class ClaimState(str, Enum):
     RECLAIMED = "reclaimed"  # an earlier attempt started and its claim expired: it may have acted
     STORED = "stored"  # a result is stored: return it without running
     BUSY = "busy"  # another attempt holds a live claim: wait
+    STARTED = "started"  # (settle only) an attempt began: the call may have acted, it cannot be settled unrun
 
 
 class Claim(BaseModel):
@@ -97,6 +100,15 @@ class IdempotencyStore(Protocol):
 
     def cancelled(self, key: str) -> bool: ...
 
+    def settle(self, key: str, cancel_scope: str, ttl: int) -> Claim:
+        """Make sure a call that has not started never starts, before it is reported NOT_EXECUTED.
+
+        One atomic step: a stored result is returned (STORED); a recorded start means an attempt
+        began and may have acted (STARTED); otherwise the cancel flag of `cancel_scope` is set, which
+        every later claim in that scope refuses (CANCELLED).
+        """
+        ...
+
 
 _CLAIM = """
 local result = redis.call('GET', KEYS[1])
@@ -109,6 +121,14 @@ if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return {'reclaimed', false}
 end
 return {'busy', false}
+"""
+
+_SETTLE = """
+local result = redis.call('GET', KEYS[1])
+if result then return {'stored', result} end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {'started', false} end
+redis.call('SET', KEYS[3], '1', 'EX', ARGV[1])
+return {'cancelled', false}
 """
 
 _RENEW = """
@@ -161,6 +181,7 @@ class RedisIdempotencyStore:
         self._renew = client.register_script(_RENEW)
         self._complete = client.register_script(_COMPLETE)
         self._release = client.register_script(_RELEASE)
+        self._settle = client.register_script(_SETTLE)
 
     @classmethod
     def from_url(cls, url: str, master_name: str | None = None) -> RedisIdempotencyStore:
@@ -216,6 +237,12 @@ class RedisIdempotencyStore:
     @store_operation
     def cancelled(self, key: str) -> bool:
         return bool(self.redis.exists(_keys(key).cancel))
+
+    @store_operation
+    def settle(self, key: str, cancel_scope: str, ttl: int) -> Claim:
+        names = _keys(key)
+        state, value = self._settle(keys=[names.result, names.started, _keys(cancel_scope).cancel], args=[ttl])
+        return Claim(state=ClaimState(state.decode()), result_json=value.decode() if value else None)
 
 
 class MemoryIdempotencyStore:
@@ -314,6 +341,17 @@ class MemoryIdempotencyStore:
     def cancelled(self, key: str) -> bool:
         with self._lock:
             return self._get(_keys(key).cancel) is not None
+
+    def settle(self, key: str, cancel_scope: str, ttl: int) -> Claim:
+        names = _keys(key)
+        with self._lock:
+            stored = self._get(names.result)
+            if stored is not None:
+                return Claim(state=ClaimState.STORED, result_json=stored)
+            if self._get(names.started) is not None:
+                return Claim(state=ClaimState.STARTED)
+            self._set(_keys(cancel_scope).cancel, "1", ttl)
+            return Claim(state=ClaimState.CANCELLED)
 
 
 class LeaseRenewer:

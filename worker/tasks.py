@@ -13,7 +13,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any, Protocol
 
@@ -47,6 +47,12 @@ _BUSY_POLL = 0.05
 _MAX_BACKOFF = 30.0
 # Longest pause between attempts to store a result while Redis is unreachable.
 _STORE_RETRY_MAX_DELAY = 1.0
+# How long a delivery keeps trying to reach the idempotency store for its first step (a Redis
+# restart): Celery's own retry would publish to the broker, often that same Redis, and a publish that
+# fails drops the message. Well below the 10 s the hard time limit leaves over the tool's timeout, so
+# the handler keeps its whole timeout afterwards.
+_CLAIM_PATIENCE = 5.0
+_RAN_ELSEWHERE = "the turn's deadline passed while another delivery of this call ran it"
 
 
 def backoff_seconds(retries: int, visibility_timeout: int) -> float:
@@ -112,15 +118,15 @@ class CallExecution:
         if self.unknown_before is not None:
             # The chain exists to keep these calls in order on one resource: whatever state the
             # earlier call left it in is unknown, so running this one could act on the wrong state.
-            return self._not_executed(
+            return self._never_run(
                 f"it runs after call {self.unknown_before} on the same resource, and that call's outcome is unknown"
             )
         store = self.rt.store
         if time.time() > self.p.deadline:
-            return self._not_executed("the turn's deadline passed before it started")
+            return self._never_run("the turn's deadline passed before it started")
         token = uuid.uuid4().hex
         try:
-            claim = self._claim_or_wait(token)
+            claim = self._patiently(lambda: self._claim_or_wait(token))
         except StoreUnavailable as exc:
             # Nothing ran yet, so a retry is safe for every class.
             countdown = backoff_seconds(self.attempt - 1, self.rt.settings.visibility_timeout)
@@ -160,14 +166,54 @@ class CallExecution:
             if claim.state is not ClaimState.BUSY:
                 return claim
             if time.time() > self.p.deadline:
-                return Claim(
-                    state=ClaimState.STORED,
-                    result_json=errors.error_result(
-                        self.call,
-                        errors.not_executed(self.call, "another delivery of this call was still running at the deadline"),
-                    ).model_dump_json(),
-                )
+                # That delivery started the call: it may have acted, so this is no NOT_EXECUTED.
+                return Claim(state=ClaimState.STORED, result_json=self._unobserved(_RAN_ELSEWHERE).model_dump_json())
             time.sleep(_BUSY_POLL)
+
+    def _patiently(self, step: Callable[[], Claim]) -> Claim:
+        """`step` retried with backoff while Redis is unreachable, for up to _CLAIM_PATIENCE (never past
+        the deadline); the last StoreUnavailable is raised."""
+        give_up = time.monotonic() + min(_CLAIM_PATIENCE, self.p.deadline - time.time())
+        delay = 0.05
+        while True:
+            try:
+                return step()
+            except StoreUnavailable as exc:
+                if time.monotonic() + delay > give_up:
+                    raise
+                log.warning("idempotency store unreachable before call %s started (%s); trying again", self.call.id, exc)
+                time.sleep(delay)
+                delay = min(delay * 2, _STORE_RETRY_MAX_DELAY)
+
+    def _never_run(self, reason: str) -> ToolResult:
+        """NOT_EXECUTED, once the call can no longer start: settled in one atomic step (its cancel flag
+        set unless it started). A call that another delivery started gets its result, or the answer
+        for a started call nobody saw end."""
+        scope = self.p.cancel_scope
+        try:
+            settled = self._patiently(lambda: self.rt.store.settle(self.p.key, scope, self.rt.settings.result_ttl))
+        except StoreUnavailable as exc:
+            # The orchestrator settles every NOT_EXECUTED it reports again before the turn ends.
+            log.warning("could not settle call %s as not executed: %s", self.call.id, exc)
+            return self._not_executed(reason)
+        while settled.state is ClaimState.STARTED and time.time() < self.p.deadline:
+            time.sleep(_BUSY_POLL)
+            settled = self._patiently(lambda: self.rt.store.settle(self.p.key, scope, self.rt.settings.result_ttl))
+        if settled.state is ClaimState.CANCELLED:
+            return self._not_executed(reason)
+        if settled.result_json is not None:
+            return self._for_this_call(settled.result_json)
+        return self._unobserved(_RAN_ELSEWHERE)
+
+    def _unobserved(self, reason: str) -> ToolResult:
+        """The result of a call that started and was not seen to end, as its side-effect class says."""
+        spec_class = self.spec.side_effect if self.spec is not None else None
+        error = (
+            errors.outcome_unknown(self.call, reason)
+            if policy_of(spec_class).unobserved_is_unknown
+            else errors.turn_stopped_waiting(self.call, reason)
+        )
+        return errors.error_result(self.call, error, attempts=self.attempt)
 
     def _reconcile(self, spec: ToolSpec) -> ToolResult | None:
         """For an unsafe call whose earlier attempt was lost: a result, or None to run it again."""
