@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import socket
+import socketserver
+import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -122,3 +127,52 @@ def test_turn_published_while_rabbitmq_is_unreachable_ends_settled_at_its_deadli
     dc = orch.turns.record("s-no-broker", turn.turn_id).dispatched[0]
     assert orch.runtime.store.cancelled(cancel_scope(turn.turn_id, dc.key))
     assert orch.turns.active("s-no-broker") is None
+
+
+class _Pipe(socketserver.BaseRequestHandler):
+    """Forwards one connection to the server's target, both ways, until either side closes."""
+
+    def handle(self) -> None:
+        with socket.create_connection(self.server.target) as upstream:  # type: ignore[attr-defined]
+            ends = [self.request, upstream]
+            while True:
+                readable, _, _ = select.select(ends, [], [])
+                for end in readable:
+                    data = end.recv(65536)
+                    if not data:
+                        return
+                    (upstream if end is self.request else self.request).sendall(data)
+
+
+class _Forwarder(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, port: int, target: tuple[str, int]) -> None:
+        super().__init__(("127.0.0.1", port), _Pipe)
+        self.target = target
+
+
+@pytest.mark.parametrize("broker_url", ["amqp"], indirect=True)
+@pytest.mark.timeout(120)
+def test_turn_published_while_rabbitmq_is_unreachable_runs_once_it_is_back(
+        start_worker, redis_url, broker_url, clean_redis, caplog):
+    start_worker(TOOLS, concurrency=1)
+    real = urlsplit(broker_url)
+    port = free_port()
+    # The orchestrator reaches RabbitMQ through a port that refuses connections until it opens.
+    orch = orchestrator(redis_url, real._replace(netloc=f"{real.username}:{real.password}@127.0.0.1:{port}").geturl(),
+                        turn_timeout=40)
+    thread, box = run_in_thread(orch.run_calls, "s-broker-back", [call(0, "effect_unsafe", key="k-back")])
+    wait_for(lambda: "waiting for it until the deadline" in caplog.text, 30, "the turn to wait for the broker")
+    forwarder = _Forwarder(port, (real.hostname or "127.0.0.1", real.port or 5672))
+    threading.Thread(target=forwarder.serve_forever, daemon=True).start()
+    try:
+        thread.join(90)
+        assert not thread.is_alive(), "the turn hung"
+    finally:
+        forwarder.shutdown()
+        forwarder.server_close()
+    result = box["value"].results[0]
+    assert (result.status, result.content) == ("ok", "1"), result
+    assert effects(clean_redis, "k-back") == 1

@@ -67,3 +67,21 @@ def test_an_attempt_that_never_ran_is_forgotten(store: IdempotencyStore) -> None
     store.release("k", "first", forget_start=True)
     assert not store.started("k")
     assert store.claim("k", "second", LEASE, TTL).state is ClaimState.CLAIMED
+
+
+def test_a_settled_call_never_starts_in_its_turn(store: IdempotencyStore) -> None:
+    # Nothing started: settling sets the turn's flag, and no later claim in that turn takes the key.
+    assert store.settle("k", "turn-1:k", TTL).state is ClaimState.CANCELLED
+    assert store.claim("k", "late", LEASE, TTL, cancel_scope="turn-1:k").state is ClaimState.CANCELLED
+    assert not store.started("k")
+    # The flag is per turn: a business key's call may run in a later turn.
+    assert store.claim("k", "next", LEASE, TTL, cancel_scope="turn-2:k").state is ClaimState.CLAIMED
+
+
+def test_settling_a_started_or_finished_call_says_so(store: IdempotencyStore) -> None:
+    store.claim("k", "first", LEASE, TTL, cancel_scope="t:k")
+    # It began: it may have acted, so it cannot be reported NOT_EXECUTED.
+    assert store.settle("k", "t:k", TTL).state is ClaimState.STARTED
+    store.complete("k", "first", "done", TTL)
+    settled = store.settle("k", "t:k", TTL)
+    assert (settled.state, settled.result_json) == (ClaimState.STORED, "done")
