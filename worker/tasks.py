@@ -126,7 +126,7 @@ class CallExecution:
             return self._never_run("the turn's deadline passed before it started")
         token = uuid.uuid4().hex
         try:
-            claim = self._patiently(lambda: self._claim_or_wait(token))
+            claim = self._claim_or_wait(token)
         except StoreUnavailable as exc:
             # Nothing ran yet, so a retry is safe for every class.
             countdown = backoff_seconds(self.attempt - 1, self.rt.settings.visibility_timeout)
@@ -162,7 +162,7 @@ class CallExecution:
         """Claim the key; while another delivery holds a live claim, wait for its result or its lease."""
         lease = self.rt.settings.claim_lease
         while True:
-            claim = self.rt.store.claim(self.p.key, token, lease, self.ttl, self.p.cancel_scope)
+            claim = self._patiently(lambda: self.rt.store.claim(self.p.key, token, lease, self.ttl, self.p.cancel_scope))
             if claim.state is not ClaimState.BUSY:
                 return claim
             if time.time() > self.p.deadline:
