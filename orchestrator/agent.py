@@ -38,6 +38,7 @@ from toolchord.orchestrator.model_clients import (
     make_model_client,
 )
 from toolchord.orchestrator.providers import get_adapter
+from toolchord.orchestrator.providers.plain_data import well_formed_output
 from toolchord.orchestrator.recorder import SessionRecorder
 from toolchord.orchestrator.request_builder import RequestBuilder, assistant_text, request_digest
 from toolchord.orchestrator.session_lease import session_lease
@@ -153,9 +154,11 @@ class Agent:
         adapter = get_adapter(self.provider)
         calls = reply.calls if reply.calls is not None else adapter.parse_calls(reply.output)
         calls = sorted(calls, key=lambda call: call.index)  # streams hand calls out as they complete
-        items = adapter.assistant_items(reply.output)
+        # Lone surrogates (a JSON escape like "\\ud800" a non-streamed reply decodes) cannot be logged or
+        # sent: the calls above escaped them (INVALID_JSON), the output and items get them repaired.
+        items = well_formed_output(adapter.assistant_items(reply.output))
         turn_id = uuid.uuid4().hex
-        recorder.model_output(self.provider, self.model, turn_id, reply.output, items, calls)
+        recorder.model_output(self.provider, self.model, turn_id, well_formed_output(reply.output), items, calls)
         if calls:
             recorder.dispatched(turn_id, [call.id for call in calls])
         return turn_id, assistant_text(self.provider, items), calls
