@@ -142,6 +142,11 @@ def _late_in_model_order(history: History) -> list[UserInput | Turn | LateResult
     """The history's entries with each run of late results in the model's call order (earlier turn
     first, then the call's place in its turn): they are stored in the order they were found."""
     place = {(turn.turn_id, call.id): (turn.seq, n) for turn in history.turns for n, call in enumerate(turn.calls)}
+    unknown = (len(history.events), 0)
+
+    def model_order(late: LateResult) -> tuple[int, int]:
+        return place.get((late.turn_id, late.result.call_id), unknown)
+
     entries: list[UserInput | Turn | LateResult] = []
     run: list[LateResult] = []
     for _, entry in [*history.entries, (-1, None)]:
@@ -149,7 +154,8 @@ def _late_in_model_order(history: History) -> list[UserInput | Turn | LateResult
             run.append(entry)
             continue
         # sorted() is stable: results whose call the log does not know keep their order, last.
-        entries += sorted(run, key=lambda late: place.get((late.turn_id, late.result.call_id), (len(history.events), 0)))
+        ordered: list[LateResult] = sorted(run, key=model_order)
+        entries.extend(ordered)
         run = []
         if entry is not None:
             entries.append(entry)

@@ -18,8 +18,8 @@ from toolchord.orchestrator import Orchestrator
 from toolchord.orchestrator.event_stores import RedisEventLog
 from toolchord.orchestrator.events import CallResult, ModelRequest
 from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
-from toolchord.worker.celery_app import create_app
 from toolchord.worker import SandboxProfile
+from toolchord.worker.celery_app import create_app
 
 RUNS: list[str] = []
 
