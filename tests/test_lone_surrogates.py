@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from toolchord import Agent, JsonlEventLog, Registry, SandboxProfile, tool
-from toolchord.orchestrator.eventlog import CallParsed, ModelOutput
+from toolchord.orchestrator.events import CallParsed, ModelOutput
 from toolchord.orchestrator.request_builder import RequestBuilder
 from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
 from toolchord.worker import ErrorCode
