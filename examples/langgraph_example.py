@@ -4,13 +4,12 @@ The graph is the usual ReAct loop (model node -> tools node -> model node ...) w
 `ToolNode` replaced by `ToolchordToolNode`. The model is a scripted OpenAI-compatible server that
 this script starts itself, called with the real `openai` client, so no key or network is needed.
 With no TOOLCHORD_BROKER_URL the calls run embedded (an in-process worker); with one set, start
-`toolchord worker --tools <module with these tools>` and pass `Orchestrator(registry, create_app())`.
+`toolchord worker --tools weather_tools` (from this directory) and pass `Orchestrator(REGISTRY, create_app())`.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from typing import Annotated, Any, TypedDict, cast
 
 from langchain_core.messages import (
@@ -26,31 +25,13 @@ from langgraph.graph.message import add_messages
 from langgraph.prebuilt import tools_condition
 from openai import OpenAI
 
-from toolchord import Registry, tool
+# The tools live in their own module, importable by name: the sandbox zygote imports it and forks
+# each call from there. Tools defined in this script (`__main__`) would run in a direct fork of
+# the worker instead, whose memory they could read.
+from weather_tools import REGISTRY
+
 from toolchord.orchestrator.integrations.langgraph import ToolchordToolNode
 from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
-
-
-@tool(side_effect="read", timeout=5)
-def get_weather(city: str) -> str:
-    """Current weather for a city."""
-    return f"sunny and 21 C in {city}"
-
-
-@tool(side_effect="read", timeout=0.5, max_retries=0)
-def forecast(city: str, days: int) -> str:
-    """A slow forecast service (it always overruns its half-second limit here)."""
-    time.sleep(days)
-    return f"{days}-day forecast for {city}"
-
-
-@tool(side_effect="unsafe", timeout=10)
-def book_table(restaurant: str, people: int) -> str:
-    """Book a table (an unsafe side effect: never run twice)."""
-    return f"booked {restaurant} for {people}"
-
-
-REGISTRY = Registry([get_weather, forecast, book_table])
 
 SCRIPT = [
     ScriptedTurn(text="Checking.", calls=[
@@ -112,9 +93,9 @@ def main() -> int:
             names = ", ".join(tc["name"] for tc in message.tool_calls)
             print(f"model: {message.content or '(no text)'}" + (f"  → calls {names}" if names else ""))
         elif message.type == "tool":
-            code = message.artifact.get("error", {}) or {}
-            label = code.get("code", "ok") if message.status == "error" else "ok"
-            print(f"  ← {message.name} [{message.tool_call_id}] {label}: {message.content.splitlines()[0]}")
+            # An error's content already starts with its code ("TIMEOUT: ..."), as the model reads it.
+            text = message.content.splitlines()[0]
+            print(f"  ← {message.name} [{message.tool_call_id}] {text if message.status == 'error' else 'ok: ' + text}")
     final = state["messages"][-1]
     return 0 if isinstance(final, AIMessage) and not final.tool_calls else 1
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import BaseModel, Field
@@ -20,10 +21,13 @@ from toolchord.orchestrator.event_stores import EventLog
 from toolchord.orchestrator.events import (
     ApprovalDecided,
     ApprovalRequested,
+    Event,
     ModelFailed,
+    ModelOutput,
     ModelRequest,
     SessionStarted,
     ToolsDeclared,
+    UserInput,
     declarations_from_registry,
     tools_digest,
 )
@@ -34,8 +38,10 @@ from toolchord.orchestrator.model_clients import (
     make_model_client,
 )
 from toolchord.orchestrator.providers import get_adapter
+from toolchord.orchestrator.providers.plain_data import well_formed_output
 from toolchord.orchestrator.recorder import SessionRecorder
 from toolchord.orchestrator.request_builder import RequestBuilder, assistant_text, request_digest
+from toolchord.orchestrator.session_lease import session_lease
 from toolchord.orchestrator.stores import open_event_log
 from toolchord.worker.models import ToolCall, ToolResult
 from toolchord.worker.registry import Provider, Registry
@@ -118,8 +124,7 @@ class Agent:
 
     # -- one step, split around the two waits (model, runtime) so run and arun share it --------
 
-    def _begin(self, prompt: str, session_id: str | None) -> SessionRecorder:
-        session_id = session_id or uuid.uuid4().hex
+    def _begin(self, prompt: str, session_id: str) -> SessionRecorder:
         recorder = SessionRecorder(self.log, session_id, self.registry)
         events = self.log.read(session_id)
         if turns_awaiting(events, self.orchestrator.approvals.store, session_id):
@@ -149,9 +154,11 @@ class Agent:
         adapter = get_adapter(self.provider)
         calls = reply.calls if reply.calls is not None else adapter.parse_calls(reply.output)
         calls = sorted(calls, key=lambda call: call.index)  # streams hand calls out as they complete
-        items = adapter.assistant_items(reply.output)
+        # Lone surrogates (a JSON escape like "\\ud800" a non-streamed reply decodes) cannot be logged or
+        # sent: the calls above escaped them (INVALID_JSON), the output and items get them repaired.
+        items = well_formed_output(adapter.assistant_items(reply.output))
         turn_id = uuid.uuid4().hex
-        recorder.model_output(self.provider, self.model, turn_id, reply.output, items, calls)
+        recorder.model_output(self.provider, self.model, turn_id, well_formed_output(reply.output), items, calls)
         if calls:
             recorder.dispatched(turn_id, [call.id for call in calls])
         return turn_id, assistant_text(self.provider, items), calls
@@ -183,9 +190,14 @@ class Agent:
             return AgentResult(session_id=recorder.session_id, text=steps[-1].text, stop_reason="final", steps=steps)
         return None
 
+    def _first_step(self, session_id: str) -> int:
+        # Steps are numbered from the prompt on: a resumed run goes on counting (replay labels them).
+        return _steps_taken(self.log.read(session_id)) + 1
+
     def _loop(self, recorder: SessionRecorder) -> AgentResult:
         steps: list[AgentStep] = []
-        for step in range(1, self.max_steps + 1):
+        first = self._first_step(recorder.session_id)
+        for step in range(first, first + self.max_steps):
             request = self._request(recorder, step)
             try:
                 reply = self.client.complete(request, stream=self.stream)
@@ -202,7 +214,8 @@ class Agent:
 
     async def _aloop(self, recorder: SessionRecorder) -> AgentResult:
         steps: list[AgentStep] = []
-        for step in range(1, self.max_steps + 1):
+        first = self._first_step(recorder.session_id)
+        for step in range(first, first + self.max_steps):
             request = self._request(recorder, step)
             try:
                 reply = await self.client.acomplete(request, stream=self.stream)
@@ -220,9 +233,12 @@ class Agent:
 
     def _settle(self, session_id: str) -> AgentResult | SessionRecorder:
         """Append the decided calls' results to the log (approved calls are waited for); the
-        recorder to continue with, or the `waiting_approval` result while some are undecided."""
+        recorder to continue with, or the result when there is nothing to continue: `waiting_approval`
+        while some calls are undecided, the final answer when the session already ended."""
         recorder = SessionRecorder(self.log, session_id, self.registry)
         events = self.log.read(session_id)
+        if (final := _final_step(events)) is not None:
+            return AgentResult(session_id=session_id, text=final.text, stop_reason="final", steps=[final])
         logged = {e.call_id for e in events if isinstance(e, ApprovalDecided)}
         for turn_id, held in turns_awaiting(events, self.orchestrator.approvals.store, session_id).items():
             settlement = self.orchestrator.approvals.settle(session_id, turn_id)
@@ -244,27 +260,37 @@ class Agent:
         Ends early with `stop_reason="waiting_approval"` when a call waits for a person's decision;
         raises `SessionWaiting` when `session_id` still has such calls (use `resume`).
         """
-        return self._loop(self._begin(prompt, session_id))
+        session_id = session_id or uuid.uuid4().hex
+        with session_lease(self.log, session_id):
+            return self._loop(self._begin(prompt, session_id))
 
     def resume(self, session_id: str) -> AgentResult:
         """Continue a session whose calls waited for a decision, from its event log (any process).
 
         The decided calls' results (approved calls are waited for) are appended to the log, and
         the next request is rebuilt from it: byte for byte what an uninterrupted run would have
-        sent. Still undecided calls give `waiting_approval` again, and nothing is appended.
+        sent. Still undecided calls give `waiting_approval` again, and nothing is appended. A session
+        that already ended gives its final answer again, without asking the model.
+
+        One driver per session: while another process or thread runs or resumes the session, this
+        waits for it to finish (`toolchord.orchestrator.session_lease`), then goes on from the log.
         """
-        settled = self._settle(session_id)
-        return settled if isinstance(settled, AgentResult) else self._loop(settled)
+        with session_lease(self.log, session_id):
+            settled = self._settle(session_id)
+            return settled if isinstance(settled, AgentResult) else self._loop(settled)
 
     async def arun(self, prompt: str, *, session_id: str | None = None) -> AgentResult:
         """asyncio twin of `run`: the model call and the turn are awaited, not blocked on."""
-        return await self._aloop(self._begin(prompt, session_id))
+        session_id = session_id or uuid.uuid4().hex
+        async with _held(self.log, session_id):
+            return await self._aloop(self._begin(prompt, session_id))
 
     async def aresume(self, session_id: str) -> AgentResult:
         """asyncio twin of `resume`: waiting for the approved calls' results happens in a worker
         thread (the event loop keeps running), the model calls and turns after it are awaited."""
-        settled = await asyncio.to_thread(self._settle, session_id)
-        return settled if isinstance(settled, AgentResult) else await self._aloop(settled)
+        async with _held(self.log, session_id):
+            settled = await asyncio.to_thread(self._settle, session_id)
+            return settled if isinstance(settled, AgentResult) else await self._aloop(settled)
 
     def close(self) -> None:
         """Release the model client and, when the agent built it, the orchestrator."""
@@ -279,6 +305,42 @@ class Agent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@asynccontextmanager
+async def _held(log: EventLog, session_id: str) -> AsyncIterator[None]:
+    """`session_lease` for a coroutine: waiting for the lease happens in a worker thread."""
+    lease = session_lease(log, session_id)
+    await asyncio.to_thread(lease.__enter__)
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(lease.__exit__, None, None, None)
+
+
+def _since_prompt(events: list[Event]) -> list[Event]:
+    last = max((i for i, e in enumerate(events) if isinstance(e, UserInput)), default=-1)
+    return events[last + 1:]
+
+
+def _steps_taken(events: list[Event]) -> int:
+    """How many model requests were made since the last user input."""
+    return sum(1 for e in _since_prompt(events) if isinstance(e, ModelRequest))
+
+
+def _final_step(events: list[Event]) -> AgentStep | None:
+    """The step that ended the session with a final answer (a model output without calls after
+    the last prompt, nothing after it), or None when the session goes on."""
+    recent = _since_prompt(events)
+    outputs = [i for i, e in enumerate(recent) if isinstance(e, ModelOutput)]
+    if not outputs:
+        return None
+    output = recent[outputs[-1]]
+    assert isinstance(output, ModelOutput)
+    if output.call_ids or any(isinstance(e, ModelRequest) for e in recent[outputs[-1]:]):
+        return None
+    step = sum(1 for e in recent[:outputs[-1]] if isinstance(e, ModelRequest))
+    return AgentStep(step=step, turn_id=output.turn_id, text=assistant_text(output.provider, output.items))
 
 
 __all__ = ["Agent", "AgentResult", "AgentStep"]

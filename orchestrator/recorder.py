@@ -30,8 +30,9 @@ RAW_ARGUMENTS_WITHHELD = "(raw arguments not stored for this tool)"
 
 # Provider-signed or provider-opaque content: altering a byte makes the provider reject the history.
 # OpenRouter's `reasoning_details` entries and Gemini's `thought_signature` are signed too.
+# Anthropic `compaction` blocks carry a signature over their summary.
 _VERBATIM_TYPES = frozenset({"reasoning", "thinking", "redacted_thinking", "reasoning.text", "reasoning.summary",
-                             "reasoning.encrypted"})
+                             "reasoning.encrypted", "compaction"})
 _OPAQUE_KEYS = frozenset({"id", "call_id", "tool_call_id", "tool_use_id", "type", "role", "model", "signature",
                           "thought_signature", "encrypted_content", "status", "object", "finish_reason",
                           "stop_reason", "name"})

@@ -1,7 +1,8 @@
 """Rebuilding the next model request of a session from its event log (docs/agent-loop.md, "Requests").
 
 The same log always gives byte-identical request JSON: the request is rendered from the log in
-log order (nothing with an order is sorted) and serialized with one fixed `json.dumps`
+log order (nothing with an order is sorted, except that results, late ones too, follow the model's
+call order) and serialized with one fixed `json.dumps`
 configuration (`request_bytes`). A new turn only appends to the log, so it only appends to the
 request, and the prefix stays stable for provider prompt caches.
 
@@ -97,7 +98,7 @@ def render(history: History, provider: Provider | None = None, *, model: str | N
     messages: list[dict[str, Any]] = []
     migrated: list[int] = []
     dropped_reasoning = 0
-    for _, entry in history.entries:
+    for entry in _late_in_model_order(history):
         if isinstance(entry, UserInput):
             adapter.append_message(messages, _user_message(entry.text))
             continue
@@ -135,6 +136,30 @@ def render(history: History, provider: Provider | None = None, *, model: str | N
             details={"outputs": migrated, "dropped_reasoning": dropped_reasoning},
         )
     return request, migration
+
+
+def _late_in_model_order(history: History) -> list[UserInput | Turn | LateResult]:
+    """The history's entries with each run of late results in the model's call order (earlier turn
+    first, then the call's place in its turn): they are stored in the order they were found."""
+    place = {(turn.turn_id, call.id): (turn.seq, n) for turn in history.turns for n, call in enumerate(turn.calls)}
+    unknown = (len(history.events), 0)
+
+    def model_order(late: LateResult) -> tuple[int, int]:
+        return place.get((late.turn_id, late.result.call_id), unknown)
+
+    entries: list[UserInput | Turn | LateResult] = []
+    run: list[LateResult] = []
+    for _, entry in [*history.entries, (-1, None)]:
+        if isinstance(entry, LateResult):
+            run.append(entry)
+            continue
+        # sorted() is stable: results whose call the log does not know keep their order, last.
+        ordered: list[LateResult] = sorted(run, key=model_order)
+        entries.extend(ordered)
+        run = []
+        if entry is not None:
+            entries.append(entry)
+    return entries
 
 
 def _migrated(adapter: ProviderAdapter, turn: Turn) -> tuple[list[dict[str, Any]], int]:

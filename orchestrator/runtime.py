@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -23,7 +24,7 @@ from kombu.exceptions import OperationalError
 from toolchord.orchestrator.approval_store import Approval
 from toolchord.orchestrator.approvals import ApprovalDesk, needs_approval
 from toolchord.orchestrator.cancel_signals import announce_cancel, listen_for_cancels
-from toolchord.orchestrator.event_stores import EventLog
+from toolchord.orchestrator.event_stores import EventLog, JsonlEventLog
 from toolchord.orchestrator.observability import observed_turn
 from toolchord.orchestrator.pipeline import PermissionHook, PreparedCall, prepare_call
 from toolchord.orchestrator.providers import get_adapter
@@ -36,6 +37,7 @@ from toolchord.worker.celery_app import WorkerRuntime, create_app, runtime_of
 from toolchord.worker.config import Settings
 from toolchord.worker.idempotency import ClaimState
 from toolchord.worker.models import ErrorCode, ToolCall, ToolResult
+from toolchord.worker.observability.call_timeline import TIMELINE_DIR
 from toolchord.worker.payloads import CallPayload, cancel_scope
 from toolchord.worker.policy import policy_of
 from toolchord.worker.registry import Provider, Registry
@@ -151,6 +153,9 @@ class Orchestrator:
         self._ignore_call_results = isinstance(self.app.backend, RedisBackend)
         if settings.embedded:
             self.runtime.registry.add_missing(registry)
+            # Call timings beside the session logs, where `toolchord ui --log-dir` finds them.
+            logs = event_log.directory if isinstance(event_log, JsonlEventLog) else Path(settings.log_dir)
+            self.runtime.timeline_dir = logs / TIMELINE_DIR
             self.runtime.start_embedded_worker(self.app)
 
     # -- planning -----------------------------------------------------------------------------

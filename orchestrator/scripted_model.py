@@ -16,7 +16,14 @@ from typing import Any, Self
 
 from pydantic import BaseModel, Field
 
+from toolchord.orchestrator.providers.plain_data import escaped_surrogates
+
 _JSON: dict[str, Any] = {"ensure_ascii": False, "separators": (",", ":")}
+
+
+def _wire(payload: Any) -> str:
+    # A lone surrogate in a script goes out as its JSON escape, as a real API sends one.
+    return escaped_surrogates(json.dumps(payload, **_JSON))
 
 
 class ScriptedCall(BaseModel):
@@ -344,7 +351,7 @@ class ScriptedModelServer:
                     self._json(200, render(turn, ids, model))
 
             def _json(self, status: int, payload: dict[str, Any], *, retry: bool | None = None) -> None:
-                data = json.dumps(payload, **_JSON).encode()
+                data = _wire(payload).encode()
                 self.send_response(status)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(data)))
@@ -365,7 +372,7 @@ class ScriptedModelServer:
                     if api == "responses":
                         event = {**event, "sequence_number": sequence}
                     lines = "" if api == "chat" else f"event: {event['type']}\n"
-                    self.wfile.write(f"{lines}data: {json.dumps(event, **_JSON)}\n\n".encode())
+                    self.wfile.write(f"{lines}data: {_wire(event)}\n\n".encode())
                     self.wfile.flush()
                 if api == "chat":
                     self.wfile.write(b"data: [DONE]\n\n")

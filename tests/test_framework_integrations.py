@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -145,3 +146,19 @@ def test_example_runs_embedded(example: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     for expected in ("call_001_0 lookup_order", "UNKNOWN_TOOL", "TIMEOUT", "INVALID_ARGUMENTS", "final answer: Done"):
         assert expected in done.stdout, f"{expected!r} missing from:\n{done.stdout}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("example", ["openai_agents_example.py", "pydantic_ai_example.py", "langgraph_example.py"])
+def test_examples_show_the_safe_path_and_each_error_code_once(example: str) -> None:
+    # What a new user sees: no tool outside the sandbox zygote, no "TIMEOUT: TIMEOUT:".
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLCHORD_")}
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / example)], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = done.stdout + done.stderr
+    assert "direct fork" not in seen and "worker's memory" not in seen, seen
+    assert "TIMEOUT" in done.stdout
+    doubled = re.findall(r"\b([A-Z][A-Z_]+): \1:", seen)
+    assert not doubled, seen

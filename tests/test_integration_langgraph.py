@@ -23,6 +23,9 @@ from toolchord.worker import ErrorCode
 
 
 def _example() -> ModuleType:
+    # The example imports its tools from the module beside it, as `python examples/...` finds it.
+    if str(ROOT / "examples") not in sys.path:
+        sys.path.append(str(ROOT / "examples"))
     spec = importlib.util.spec_from_file_location("langgraph_example", ROOT / "examples" / "langgraph_example.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

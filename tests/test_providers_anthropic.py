@@ -376,3 +376,40 @@ def test_streamed_events_in_any_split_and_order_equal_the_parsed_message(
     assert ADAPTER.parse_calls(output) == expected
     assert [block.get("thinking") for block in output["content"]] == [block.get("thinking") for block in content]
     assert [block.get("text") for block in output["content"]] == [block.get("text") for block in content]
+
+
+def test_a_streamed_compaction_block_keeps_its_summary_through_the_log_and_replay(tmp_path: Any) -> None:
+    from anthropic.types.beta import BetaCompactionBlockParam, BetaRawMessageStreamEvent
+    from pydantic import TypeAdapter
+
+    from toolchord.orchestrator.event_stores import JsonlEventLog
+    from toolchord.orchestrator.events import SessionStarted
+    from toolchord.orchestrator.recorder import SessionRecorder
+    from toolchord.orchestrator.request_builder import RequestBuilder
+
+    summary = "The user asked for refunds; password=hunter22 was shared earlier."
+    events = [
+        message_start(),
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "compaction", "content": None}},
+        {"type": "content_block_delta", "index": 0,
+         "delta": {"type": "compaction_delta", "content": summary, "encrypted_content": "opaque=="}},
+        {"type": "content_block_stop", "index": 0},
+        *block_events(1, {"type": "text"}, ["Go", "ing on."]),
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 3}},
+    ]
+    accumulator = ADAPTER.stream_accumulator()
+    for event in events:
+        accumulator.feed(TypeAdapter(BetaRawMessageStreamEvent).validate_python(event))
+    output = accumulator.assistant_output()
+    compaction = {"type": "compaction", "content": summary, "encrypted_content": "opaque=="}
+    assert output["content"][0] == compaction
+    log = JsonlEventLog(tmp_path)
+    recorder = SessionRecorder(log, "s")
+    recorder.append(SessionStarted(provider="anthropic", model="claude"))
+    recorder.user_input("hello")
+    recorder.model_output("anthropic", "claude", "t1", output, ADAPTER.assistant_items(output), [])
+    recorder.user_input("and now?")
+    replayed = RequestBuilder(log).build("s")["messages"][1]["content"][0]
+    # Byte for byte: the summary is signed, so not even a secret in it is masked.
+    assert replayed == compaction
+    TypeAdapter(BetaCompactionBlockParam).validate_python(replayed)

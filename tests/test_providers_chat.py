@@ -202,7 +202,6 @@ def test_stream_fragments_keyed_by_id_when_the_index_is_missing() -> None:
     "events",
     [
         [chunk({"tool_calls": [later_fragment(0, "{}")]}), chunk({}, "tool_calls")],  # never got id/name
-        [chunk({"tool_calls": [first_fragment(0, "call_a", "f", "{}")]}), chunk({"tool_calls": [first_fragment(0, "call_b", "f", "")]})],
         [chunk({"tool_calls": [{"function": {"arguments": "{}"}}]})],
         [chunk({"tool_calls": [first_fragment(0, "call_a", "f", "{}")]}, "tool_calls"), chunk({"tool_calls": [later_fragment(0, "x")]})],
         [chunk({"tool_calls": [first_fragment(0, "call_a", "f", "{}"), first_fragment(1, "call_a", "f", "{}")]}, "tool_calls")],
@@ -268,6 +267,24 @@ def test_streamed_fragments_in_any_split_and_order_equal_the_parsed_message(
     assert bool(streamed) == end_with_finish_reason
     streamed += accumulator.finish()
     assert streamed == expected
+    assert ADAPTER.parse_calls(accumulator.assistant_output()) == expected
+
+
+def test_parallel_calls_a_proxy_streams_all_at_index_0_are_separate_calls() -> None:
+    accumulator = ADAPTER.stream_accumulator()
+    events = [
+        chunk({"role": "assistant", "tool_calls": [first_fragment(0, "call_a", "f", '{"a"')]}),
+        chunk({"tool_calls": [later_fragment(0, ": 1}")]}),
+        chunk({"tool_calls": [first_fragment(0, "call_b", "g", "")]}),
+        chunk({"tool_calls": [later_fragment(0, '{"b": 2}')]}),
+        # Some proxies repeat the id in later fragments, even after the next call started.
+        chunk({"tool_calls": [{"index": 0, "id": "call_a", "function": {"arguments": ""}}]}),
+    ]
+    for event in events:
+        assert accumulator.feed(ChatCompletionChunk.model_validate(event)) == []
+    calls = accumulator.feed(ChatCompletionChunk.model_validate(chunk({}, finish_reason="tool_calls")))
+    expected = ADAPTER.parse_calls(assistant(tool_call("call_a", "f", '{"a": 1}'), tool_call("call_b", "g", '{"b": 2}')))
+    assert calls == expected
     assert ADAPTER.parse_calls(accumulator.assistant_output()) == expected
 
 

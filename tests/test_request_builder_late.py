@@ -36,3 +36,20 @@ def test_late_result_is_a_note_after_the_turns_results(tmp_path: Path, provider:
     last = request[key][-1]
     text = last["content"] if isinstance(last["content"], str) else last["content"][-1]["text"]
     assert "finished after its turn had ended" in text
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_late_results_are_rendered_in_the_models_call_order(tmp_path: Path, provider: Provider) -> None:
+    log = JsonlEventLog(tmp_path)
+    write_conversation(log, "s", provider, turns=2)
+    history = RequestBuilder(log).history("s")
+    order = [(turn.turn_id, call) for turn in history.turns for call in turn.calls]
+    assert len(order) >= 3
+    recorder = SessionRecorder(log, "s", REGISTRY)
+    # Found (and logged) in another order than the model's, as a Redis hash hands them out.
+    for turn_id, call in reversed(order):
+        recorder.result(turn_id, ToolResult(call_id=call.id, name=call.name, status="ok", content=f"late {call.id}"),
+                        late=True)
+    body = RequestBuilder(log).build_bytes("s").decode()
+    positions = [body.index(f"late {call.id}") for _, call in order]
+    assert positions == sorted(positions)

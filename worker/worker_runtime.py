@@ -7,6 +7,7 @@ import threading
 import uuid
 import weakref
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -36,6 +37,8 @@ class WorkerRuntime:
         # The in-memory transport keeps its queues process-wide: each embedded app gets queues of
         # its own, or one embedded worker would take another's calls (and not know their tools).
         self._queue_prefix = f"embedded-{uuid.uuid4().hex[:12]}." if settings.embedded else ""
+        # Where the embedded worker appends call timings for the timeline page (no Redis to hold them).
+        self.timeline_dir: Path | None = None
 
     def queue(self, name: str | None = None) -> str:
         """The broker queue for a tool's queue name (the default queue when None)."""

@@ -359,6 +359,10 @@ class AnthropicStreamAccumulator:
             deltas.add(block, "thinking", delta.get("thinking") or "")
         elif kind == "signature_delta":
             deltas.add(block, "signature", delta.get("signature") or "")
+        elif kind == "compaction_delta":
+            # The summary arrives whole in one delta (the SDK's accumulator assigns, not appends);
+            # a block replayed without it is a failed compaction to the API.
+            block.update({key: delta[key] for key in ("content", "encrypted_content") if delta.get(key) is not None})
         elif kind == "citations_delta":
             if not isinstance(block.get("citations"), list):
                 block["citations"] = []

@@ -216,14 +216,20 @@ class ChatStreamAccumulator:
     """Assembles `choices[0].delta` of `ChatCompletionChunk` events (SDK objects or dicts).
 
     The first fragment of a call carries its index, id and name; later ones the index and a piece
-    of the arguments. Fragments may interleave across calls and indices may start out of order.
+    of the arguments. Fragments may interleave across calls and indices may start out of order. A
+    new id at an index already in use starts another call there (OpenAI-compatible proxies stream
+    parallel calls all at index 0); calls at one index keep the order they started in.
     A chat stream does not mark a single call as finished, so every call completes together when
     `finish_reason` is set or the stream ends (`finish`), in index order.
     """
 
     def __init__(self) -> None:
-        self._drafts: dict[int, _CallDraft] = {}
-        # Drafts by call id, for servers that send fragments without an index.
+        # Drafts by (stream index, arrival): a proxy that streams parallel calls all at index 0 with
+        # distinct ids gives several calls per index, kept in the order they started.
+        self._drafts: dict[tuple[int, int], _CallDraft] = {}
+        # The latest call at each stream index: fragments without an id continue it.
+        self._current: dict[int, _CallDraft] = {}
+        # Drafts by call id, for servers that send fragments without an index (or repeat the id).
         self._by_id: dict[str, _CallDraft] = {}
         self._content: list[str] = []
         self._refusal: list[str] = []
@@ -253,7 +259,7 @@ class ChatStreamAccumulator:
         if self._refusal:
             message["refusal"] = "".join(self._refusal)
         if self._drafts:
-            message["tool_calls"] = [self._drafts[index].as_tool_call_dict() for index in sorted(self._drafts)]
+            message["tool_calls"] = [self._drafts[key].as_tool_call_dict() for key in sorted(self._drafts)]
         return message
 
     def _apply_delta(self, delta: dict[str, Any]) -> None:
@@ -273,10 +279,6 @@ class ChatStreamAccumulator:
         draft = self._draft_for(fragment)
         fragment_id = fragment.get("id")
         if fragment_id:
-            if draft.id is not None and draft.id != fragment_id:
-                raise ProviderFormatError(
-                    f"tool call at index {draft.stream_index} changed id from {draft.id!r} to {fragment_id!r}"
-                )
             draft.id = fragment_id
             self._by_id[fragment_id] = draft
         function = as_mapping(fragment.get("function") or {}, "tool call fragment function")
@@ -292,16 +294,25 @@ class ChatStreamAccumulator:
 
     def _draft_for(self, fragment: dict[str, Any]) -> _CallDraft:
         index = fragment.get("index")
-        if isinstance(index, int):
-            return self._drafts.setdefault(index, _CallDraft(stream_index=index))
-        # Without an index (some compatible servers), the id is the only key.
         fragment_id = fragment.get("id")
+        known = self._by_id.get(fragment_id) if fragment_id else None
+        if isinstance(index, int):
+            if known is not None and known.stream_index == index:
+                return known
+            draft = self._current.get(index)
+            if draft is not None and not (fragment_id and draft.id is not None and draft.id != fragment_id):
+                return draft
+            # A new index, or a new id at a used one (parallel calls some proxies stream all at index 0).
+            return self._new_draft(index)
+        # Without an index (some compatible servers), the id is the only key.
         if not fragment_id:
             raise ProviderFormatError("tool call fragment has neither index nor id")
-        draft = self._by_id.get(fragment_id)
-        if draft is None:
-            new_index = max(self._drafts, default=-1) + 1
-            draft = self._drafts.setdefault(new_index, _CallDraft(stream_index=new_index, id=fragment_id))
+        if known is not None:
+            return known
+        return self._new_draft(max(self._current, default=-1) + 1)
+
+    def _new_draft(self, index: int) -> _CallDraft:
+        draft = self._current[index] = self._drafts[(index, len(self._drafts))] = _CallDraft(stream_index=index)
         return draft
 
     def _complete(self) -> list[ToolCall]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,10 +12,13 @@ from pydantic import BaseModel
 from toolchord.orchestrator.providers.protocol import AssistantText, ProviderFormatError
 from toolchord.worker.errors import json_problem
 from toolchord.worker.models import ToolCall
+from toolchord.worker.redaction import well_formed
 from toolchord.worker.registry import ToolDeclaration
 
 # Values under these keys are the model's own data (tool arguments): a null inside them is meaningful.
 OPAQUE_KEYS = frozenset({"input", "arguments"})
+# In a str, a surrogate is always lone: JSON decoding joins the pairs into one code point.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def to_plain(value: Any) -> Any:
@@ -108,20 +112,45 @@ def parse_arguments(raw: str) -> dict[str, Any] | None:
         return None
 
 
+def escaped_surrogates(text: str) -> str:
+    """`text` with each lone surrogate written as its JSON escape (`\\ud800`), as a stream delivers it.
+
+    Argument text keeps saying what the model sent (and stays INVALID_JSON: `load_arguments` refuses
+    the escape too), but becomes Unicode that UTF-8, pydantic and the event log can store.
+    """
+    return _LONE_SURROGATE.sub(lambda match: f"\\u{ord(match[0]):04x}", text)
+
+
+def well_formed_output(value: Any) -> Any:
+    """A non-streamed model output (plain data) fit for the log: lone surrogates in argument text
+    escaped (`escaped_surrogates`), in any other text replaced by U+FFFD, as streamed text comes out.
+    Values without lone surrogates are returned as they are."""
+    if isinstance(value, dict):
+        return {key: (escaped_surrogates(item) if key == "arguments" and isinstance(item, str)
+                      else well_formed_output(item)) for key, item in value.items()}
+    if isinstance(value, list):
+        return [well_formed_output(item) for item in value]
+    if isinstance(value, str):
+        return well_formed(value)
+    return value
+
+
 def compact_json(value: Any) -> str:
-    """JSON text without whitespace; non-ASCII kept as is. Used for arguments that arrive as objects."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    """JSON text without whitespace; non-ASCII kept as is, lone surrogates escaped (they are not
+    Unicode). Used for arguments that arrive as objects."""
+    return escaped_surrogates(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
 
 
 def read_arguments(value: Any) -> tuple[str, dict[str, Any] | None]:
     """(arguments_raw, arguments) for arguments that arrive as JSON text or as an object.
 
-    Text is kept verbatim and parsed; an object is serialized compactly and used as is; a missing
+    Text is kept verbatim (lone surrogates escaped) and parsed; an object is serialized compactly and used as is; a missing
     value reads as empty text, which means no arguments (`{}`).
     """
     if value is None:
         return "", {}
     if isinstance(value, str):
+        value = escaped_surrogates(value)
         return value, parse_arguments(value)
     text = compact_json(value)
     return text, parse_arguments(text) if isinstance(value, dict) else None

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from toolchord.orchestrator.event_stores import EventLog, JsonlEventLog, RedisEventLog
 from toolchord.orchestrator.events import CallParsed, CallResult, LateResult, ModelOutput, TurnDispatched
 from toolchord.orchestrator.turn_store import RedisTurnStore
-from toolchord.worker.observability.call_timeline import CallTiming, read_timings
+from toolchord.worker.observability.call_timeline import TIMELINE_DIR, CallTiming, read_timing_file, read_timings
 
 BarPhase = Literal["queued", "running", "retrying", "done"]
 
@@ -125,11 +125,16 @@ def session_view(log: EventLog, session_id: str, redis_client: Any | None = None
             for (_, call_id), bar in bars.items():
                 if call_id == event.result.call_id:
                     bar.late_code = _code(event.result)
+    timings: dict[tuple[str, str], CallTiming] = {}
     if redis_client is not None:
         timings = read_timings(redis_client, session_id)
-        store = RedisTurnStore(redis_client, ttl=1)
+    elif isinstance(log, JsonlEventLog):
+        # An embedded run's worker wrote them beside the logs.
+        timings = read_timing_file(log.directory / TIMELINE_DIR, session_id)
+    if redis_client is not None or timings:
+        store = RedisTurnStore(redis_client, ttl=1) if redis_client is not None else None
         for turn in turns.values():
-            record = store.record(session_id, turn.turn_id)
+            record = store.record(session_id, turn.turn_id) if store is not None else None
             keys = {dc.call.id: dc.key for dc in record.dispatched} if record is not None else {}
             early = {r.call_id for r in record.early} if record is not None else set()
             for bar in turn.calls:

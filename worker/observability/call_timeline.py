@@ -1,12 +1,17 @@
-"""When and where each call ran, kept in Redis for the session timeline page (`toolchord ui`).
+"""When and where each call ran, kept for the session timeline page (`toolchord ui`).
 
-Workers write one JSON record per call into a hash per session: when a delivery starts (the bar
-turns from queued to running) and when it ends (the bar gets its result code). Only names, ids,
-times and codes: never arguments or output.
+Workers write one JSON record per call into a hash per session in Redis: when a delivery starts
+(the bar turns from queued to running) and when it ends (the bar gets its result code). The
+embedded worker, without Redis, appends the same records to `<log dir>/timeline/<session>.jsonl`
+beside the session's JSONL log (the last record of a call wins). Only names, ids, times and codes:
+never arguments or output.
 """
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -14,6 +19,9 @@ from pydantic import BaseModel, Field
 from toolchord.worker.models import SideEffect
 
 PREFIX = "toolchord:calls:"
+TIMELINE_DIR = "timeline"
+# Session ids become file names: the event log allows these (and refuses others before a turn).
+_SAFE_SESSION = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 CallPhase = Literal["running", "retrying", "done"]
 
@@ -64,4 +72,35 @@ def read_timings(client: Any, session_id: str) -> dict[tuple[str, str], CallTimi
     return {(t.turn_id, t.call_id): t for t in found}
 
 
-__all__ = ["PREFIX", "CallPhase", "CallTiming", "read_timing", "read_timings", "save_timing", "timing_key"]
+def _timing_file(directory: Path, session_id: str) -> Path | None:
+    if not _SAFE_SESSION.match(session_id) or session_id in (".", ".."):
+        return None
+    return directory / f"{session_id}.jsonl"
+
+
+def append_timing(directory: Path, timing: CallTiming) -> None:
+    """Append the record to the session's timeline file (one write of one line)."""
+    path = _timing_file(directory, timing.session_id)
+    if path is None:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, (timing.model_dump_json() + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_timing_file(directory: Path, session_id: str) -> dict[tuple[str, str], CallTiming]:
+    """Every call record of a session's timeline file, by (turn id, call id); the last one wins."""
+    path = _timing_file(directory, session_id)
+    try:
+        lines = path.read_bytes().split(b"\n") if path is not None else []
+    except FileNotFoundError:
+        return {}
+    found = (CallTiming.model_validate_json(line) for line in lines[:-1] if line)  # the last may be torn
+    return {(t.turn_id, t.call_id): t for t in found}
+
+
+__all__ = ["PREFIX", "TIMELINE_DIR", "CallPhase", "CallTiming", "append_timing", "read_timing", "read_timing_file",
+           "read_timings", "save_timing", "timing_key"]

@@ -30,7 +30,7 @@ from celery.signals import (
 )
 from pydantic import ValidationError
 
-from toolchord.worker.observability.call_timeline import CallTiming, read_timing, save_timing
+from toolchord.worker.observability.call_timeline import CallTiming, append_timing, read_timing, save_timing
 from toolchord.worker.observability.metrics import (
     QueueDepthCollector,
     mark_process_dead,
@@ -50,6 +50,7 @@ METRICS_ADDRESS_ENV = "TOOLCHORD_METRICS_ADDRESS"
 # Two small Redis writes per call (start, end) feed the timeline page; `off` saves them.
 CALL_TIMELINE_ENV = "TOOLCHORD_CALL_TIMELINE"
 PUBLISHED_HEADER = "toolchord_published_at"
+_OFF = ("0", "off", "false", "no")
 _CALL_TASKS = {name: side_effect for side_effect, name in TASK_NAMES.items()}
 
 
@@ -75,7 +76,7 @@ def _on_publish(sender: str | None = None, headers: dict[str, Any] | None = None
 
 def _timeline(runtime: WorkerRuntime) -> redis.Redis | None:
     """Where call timings go: None when embedded without Redis or switched off."""
-    if os.environ.get(CALL_TIMELINE_ENV, "on").lower() in ("0", "off", "false", "no"):
+    if os.environ.get(CALL_TIMELINE_ENV, "on").lower() in _OFF:
         return None
     return runtime.redis
 
@@ -83,6 +84,11 @@ def _timeline(runtime: WorkerRuntime) -> redis.Redis | None:
 def _save(runtime: WorkerRuntime, timing: CallTiming) -> None:
     client = _timeline(runtime)
     if client is None:
+        if runtime.timeline_dir is not None and os.environ.get(CALL_TIMELINE_ENV, "on").lower() not in _OFF:
+            try:
+                append_timing(runtime.timeline_dir, timing)
+            except OSError as exc:
+                log.debug("call timing of %s not saved: %s", timing.call_id, exc)
         return
     try:
         save_timing(client, timing, runtime.settings.result_ttl)
