@@ -8,7 +8,13 @@ from toolchord.orchestrator.approvals import SessionWaiting, Settlement, Unknown
 from toolchord.orchestrator.event_stores import EventLog, JsonlEventLog, RedisEventLog
 from toolchord.orchestrator.model_clients import ModelError, make_model_client
 from toolchord.orchestrator.pipeline import PermissionHook, Pipeline, PreparedCall, prepare_call
-from toolchord.orchestrator.providers import ProviderAdapter, ProviderFormatError, get_adapter
+from toolchord.orchestrator.providers import (
+    ProviderAdapter,
+    ProviderFormatError,
+    declaration,
+    declarations,
+    get_adapter,
+)
 from toolchord.orchestrator.recorder import SessionRecorder
 from toolchord.orchestrator.request_builder import PairingError, RequestBuilder, check_pairing, request_bytes
 from toolchord.orchestrator.runtime import Orchestrator
@@ -40,6 +46,8 @@ __all__ = [
     "TurnResult",
     "UnknownApproval",
     "check_pairing",
+    "declaration",
+    "declarations",
     "get_adapter",
     "make_model_client",
     "open_event_log",

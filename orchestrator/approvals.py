@@ -14,24 +14,22 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
 
 from toolchord.orchestrator.approval_store import Approval, ApprovalStore, Decision
+from toolchord.orchestrator.dispatch import CallDispatcher
 from toolchord.orchestrator.event_stores import EventLog
 from toolchord.orchestrator.events import ApprovalDecided, ApprovalRequested, Event
 from toolchord.orchestrator.history_repair import History
 from toolchord.orchestrator.recorder import stored_call
-from toolchord.orchestrator.turn import DispatchedCall, TurnRecord
+from toolchord.orchestrator.stores import OrchestratorStores
+from toolchord.orchestrator.turn import TurnRecord
 from toolchord.worker import errors
 from toolchord.worker.models import ToolResult
 from toolchord.worker.policy import policy_of
 from toolchord.worker.redaction import redact
 from toolchord.worker.tools import ToolSpec
-
-if TYPE_CHECKING:
-    from toolchord.orchestrator.runtime import Orchestrator
 
 log = logging.getLogger("toolchord.approvals")
 
@@ -101,18 +99,20 @@ def decision_result(approval: Approval) -> ToolResult:
 
 
 class ApprovalDesk:
-    """Requests, decisions and settlements of an orchestrator's waiting calls."""
+    """Requests, decisions and settlements of an orchestrator's waiting calls (sent through its dispatcher)."""
 
-    def __init__(self, orchestrator: Orchestrator, store: ApprovalStore, event_log: EventLog | None = None) -> None:
-        self.orch = orchestrator
-        self.store = store
+    def __init__(self, dispatcher: CallDispatcher, stores: OrchestratorStores, event_log: EventLog | None = None) -> None:
+        self.dispatcher = dispatcher
+        self.runtime = dispatcher.runtime
+        self.stores = stores
+        self.store: ApprovalStore = stores.approvals
         self._log = event_log
 
     @property
     def log(self) -> EventLog:
         """Where decisions are written: the given log, else the configuration's (`Orchestrator.stores`)."""
         if self._log is None:
-            self._log = self.orch.stores.event_log
+            self._log = self.stores.event_log
         return self._log
 
     # -- turn side ------------------------------------------------------------------------------
@@ -124,8 +124,8 @@ class ApprovalDesk:
         now = time.time()
         approvals = []
         for dc in record.awaiting:
-            spec = self.orch.registry[dc.call.name]
-            signature = self.orch._signature(record, dc, first=True)
+            spec = self.dispatcher.registry[dc.call.name]
+            signature = self.dispatcher.signature(record, dc, first=True)
             approvals.append(Approval(
                 session_id=record.session_id, turn_id=record.turn_id,
                 call=stored_call(dc.call, spec.store_raw_arguments), tool=spec.name, side_effect=dc.side_effect,
@@ -134,7 +134,7 @@ class ApprovalDesk:
                 run_window=spec.timeout * policy_of(spec.side_effect).deadline_attempts + _RUN_SLACK,
                 requested_at=now, expires_at=now + spec.approval_timeout, signature=dict(signature),
             ))
-        self.store.open(approvals, self.orch.runtime.settings.result_ttl)
+        self.store.open(approvals, self.runtime.settings.result_ttl)
 
     def awaiting(self, record: TurnRecord) -> list[Approval]:
         """The turn's waiting calls as recorded (a turn ends with these instead of their results),
@@ -178,9 +178,7 @@ class ApprovalDesk:
     def _send(self, approval: Approval) -> None:
         """Send the approved call as planned, with a fresh deadline for its run."""
         assert approval.signature is not None
-        signature = self.orch.app.signature(approval.signature)
-        signature.kwargs["payload"]["deadline"] = approval.dispatch_deadline
-        signature.apply_async()
+        self.dispatcher.send_signature(approval.signature, approval.dispatch_deadline)
         self.store.mark_dispatched(approval.session_id, approval.call.id)
 
     # -- settling ---------------------------------------------------------------------------------
@@ -212,7 +210,7 @@ class ApprovalDesk:
         """The approved calls' results from the idempotency store; the truthful stand-in for any
         still missing at its run deadline (NOT_EXECUTED, OUTCOME_UNKNOWN, ...)."""
         found: dict[str, ToolResult] = {}
-        store = self.orch.runtime.store
+        store = self.runtime.store
         while True:
             missing = [a for a in approved if a.call.id not in found]
             for approval, raw in zip(missing, store.results([a.key for a in missing]), strict=True):
@@ -222,19 +220,17 @@ class ApprovalDesk:
             missing = [a for a in approved if a.call.id not in found]
             overdue = [a for a in missing if a.dispatch_deadline <= time.time()]
             for approval in overdue:
-                if time.time() > approval.dispatch_deadline + self.orch.runtime.settings.result_ttl:
+                if time.time() > approval.dispatch_deadline + self.runtime.settings.result_ttl:
                     # Its result and start record may have expired: whether it ran is not known any more.
                     reason = "its records expired before the session was resumed"
                     found[approval.call.id] = errors.error_result(approval.call,
                                                                   errors.outcome_unknown(approval.call, reason))
                     continue
-                record = TurnRecord(session_id=approval.session_id, turn_id=approval.turn_id, provider="chat",
-                                    calls=[], deadline=approval.dispatch_deadline)
-                dc = DispatchedCall(call=approval.call, arguments={}, key=approval.key, task_id=approval.task_id,
-                                    side_effect=approval.side_effect)
                 reason = f"the approved call's {approval.run_window:g} s run window passed"
                 # A result stored before the call was settled is the truth, not a stand-in.
-                found[approval.call.id], _ = self.orch._unfinished(record, dc, reason)
+                found[approval.call.id], _ = self.dispatcher.unanswered(
+                    approval.call, turn_id=approval.turn_id, key=approval.key, task_id=approval.task_id,
+                    side_effect=approval.side_effect, reason=reason)
             if len(found) == len(approved):
                 return found
             time.sleep(_RESULT_POLL)

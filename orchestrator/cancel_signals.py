@@ -5,7 +5,7 @@ turn on one channel. Each process that waits on turns listens on that channel wi
 and one thread, shared by its orchestrators; each orchestrator marks the turns it waits on as
 cancelled, and its waiting loop sees the mark at the next wait slice. Pub/sub may drop a message
 (a reconnect in between), so waiting turns still read the flag itself now and then
-(`_REMOTE_CANCEL_POLL` in runtime.py).
+(`_REMOTE_CANCEL_POLL` in turn_wait.py).
 """
 
 from __future__ import annotations

@@ -236,7 +236,9 @@ def _ui(args: argparse.Namespace) -> int:
 
 
 def _tools(args: argparse.Namespace) -> int:
-    print(json.dumps(_registry(args.tools).declarations(args.provider), indent=2, ensure_ascii=False))
+    from toolchord.orchestrator.providers import declarations
+
+    print(json.dumps(declarations(_registry(args.tools), args.provider), indent=2, ensure_ascii=False))
     return 0
 
 

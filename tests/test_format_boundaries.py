@@ -16,9 +16,9 @@ import pytest
 from toolchord.orchestrator.events import SessionStarted
 from toolchord.orchestrator.history_repair import History
 from toolchord.orchestrator.model_clients import make_model_client
-from toolchord.orchestrator.providers import ProviderAdapter, get_adapter
+from toolchord.orchestrator.providers import ProviderAdapter, declaration, declarations, get_adapter
 from toolchord.orchestrator.request_builder import render
-from toolchord.worker import Provider, Registry, SideEffect, declaration, tool
+from toolchord.worker import Provider, Registry, SideEffect, tool
 from toolchord.worker.celery_app import create_app
 from toolchord.worker.config import Settings
 from toolchord.worker.policy import SIDE_EFFECT_POLICIES
@@ -77,6 +77,6 @@ def test_an_unknown_provider_raises_instead_of_using_another_providers_format(us
             render(History.from_events([SessionStarted(provider="chat", model="m")]), unknown)
         else:
             make_model_client(unknown)
-    assert Registry([noop]).declarations("anthropic") == [
+    assert declarations(Registry([noop]), "anthropic") == [
         {"name": "noop", "description": "Do nothing.", "input_schema": declaration(noop, "anthropic")["input_schema"]}
     ]

@@ -20,6 +20,7 @@ from tests.cluster_helpers import TOOLS, call, effects, run_in_thread, settings_
 from tests.conftest import ROOT, free_port, worker_env
 from toolchord.orchestrator import Agent, JsonlEventLog, Orchestrator
 from toolchord.orchestrator.integrations.mcp import McpServer, mcp_tools, side_effect_for
+from toolchord.orchestrator.providers import declarations
 from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
 from toolchord.worker import ErrorCode, Registry
 from toolchord.worker.celery_app import create_app
@@ -42,7 +43,7 @@ def test_annotations_map_to_side_effect_classes_and_overrides_apply(mcp_tools_mo
         "crash": "unsafe"}
     assert registry["sleepy"].timeout == 1.0 and registry["lookup"].timeout == 30.0
     assert all(not spec.sandbox.isolate for spec in registry)
-    declared = registry.declarations("chat")[0]["function"]
+    declared = declarations(registry, "chat")[0]["function"]
     assert declared["name"] == "lookup" and declared["parameters"]["required"] == ["item"]
     assert side_effect_for(types.ToolAnnotations(idempotent_hint=True, destructive_hint=True)) == "unsafe"
     assert side_effect_for(None) == "unsafe"

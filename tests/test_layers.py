@@ -146,3 +146,11 @@ def test_a_worker_process_loads_no_orchestrator_code() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_the_approval_desk_does_not_know_the_orchestrator() -> None:
+    """approvals.py sends and withdraws calls through the dispatcher, not through `Orchestrator`: not
+    even a type-checking import of the runtime (which would hide a circle from the test above)."""
+    tree = ast.parse((PACKAGE / "orchestrator" / "approvals.py").read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "toolchord.orchestrator.runtime" not in imported

@@ -15,7 +15,8 @@ from openai.types.responses import FunctionToolParam
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from tests import pipeline_tools as t
-from toolchord.worker import PROVIDERS, DuplicateToolError, Registry, ToolContext, declaration, tool
+from toolchord.orchestrator.providers import declaration, declarations
+from toolchord.worker import PROVIDERS, DuplicateToolError, Registry, ToolContext, tool
 from toolchord.worker.registry import Provider
 
 
@@ -184,7 +185,7 @@ def _parameters(decl: dict[str, Any], provider: Provider) -> dict[str, Any]:
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_declarations_are_self_contained_and_closed(provider: Provider) -> None:
     registry = Registry(DECLARED)
-    for decl in registry.declarations(provider):
+    for decl in declarations(registry, provider):
         text = json.dumps(decl)
         assert "$ref" not in text and "$defs" not in text
         params = _parameters(decl, provider)
@@ -250,20 +251,20 @@ def _check_typed_dict(typed_dict: Any, value: dict[str, Any]) -> None:
 def test_chat_declarations_match_the_openai_param_shape() -> None:
     from openai.types.shared_params import FunctionDefinition
 
-    for decl in Registry(DECLARED).declarations("chat"):
+    for decl in declarations(Registry(DECLARED), "chat"):
         _check_typed_dict(ChatCompletionFunctionToolParam, decl)
         _check_typed_dict(FunctionDefinition, decl["function"])
         assert decl["type"] == "function" and decl["function"]["name"]
 
 
 def test_responses_declarations_match_the_openai_param_shape() -> None:
-    for decl in Registry(DECLARED).declarations("responses"):
+    for decl in declarations(Registry(DECLARED), "responses"):
         _check_typed_dict(FunctionToolParam, decl)
         assert {"type", "name", "parameters", "strict"} <= set(decl)
 
 
 def test_anthropic_declarations_have_an_object_input_schema() -> None:
-    for decl in Registry(DECLARED).declarations("anthropic"):
+    for decl in declarations(Registry(DECLARED), "anthropic"):
         _check_typed_dict(ToolParam, decl)
         TypeAdapter(InputSchemaTyped).validate_python(decl["input_schema"])
         assert decl["input_schema"]["type"] == "object"

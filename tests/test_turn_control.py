@@ -16,7 +16,7 @@ import pytest
 
 from tests.cluster_helpers import TOOLS, call, effects, orchestrator, run_in_thread, wait_for
 from tests.conftest import ROOT, free_port, worker_env
-from toolchord.orchestrator import runtime as orchestrator_runtime
+from toolchord.orchestrator import turn_wait
 from toolchord.orchestrator.turn import TurnResult
 from toolchord.worker import ErrorCode
 from toolchord.worker.idempotency import PREFIX, idempotency_key
@@ -126,7 +126,7 @@ def test_flower_shows_each_call_by_tool_and_call_id_behind_auth(start_worker, re
 @pytest.fixture
 def no_cancel_flag_poll(monkeypatch: pytest.MonkeyPatch) -> None:
     """Waiting turns never read the cancel flag on their own: only the announcement can stop them."""
-    monkeypatch.setattr(orchestrator_runtime, "_REMOTE_CANCEL_POLL", 600.0)
+    monkeypatch.setattr(turn_wait, "_REMOTE_CANCEL_POLL", 600.0)
 
 
 @pytest.mark.usefixtures("no_cancel_flag_poll")

@@ -20,7 +20,13 @@ if TYPE_CHECKING:
     from toolchord.orchestrator.event_stores import EventLog, JsonlEventLog, RedisEventLog
     from toolchord.orchestrator.model_clients import ModelError, make_model_client
     from toolchord.orchestrator.pipeline import PermissionHook, Pipeline, PreparedCall, prepare_call
-    from toolchord.orchestrator.providers import ProviderAdapter, ProviderFormatError, get_adapter
+    from toolchord.orchestrator.providers import (
+        ProviderAdapter,
+        ProviderFormatError,
+        declaration,
+        declarations,
+        get_adapter,
+    )
     from toolchord.orchestrator.recorder import SessionRecorder
     from toolchord.orchestrator.request_builder import PairingError, RequestBuilder, check_pairing, request_bytes
     from toolchord.orchestrator.runtime import Orchestrator
@@ -32,7 +38,7 @@ if TYPE_CHECKING:
     from toolchord.worker.execution import HandlerOutcome, ToolOutput, call_handler
     from toolchord.worker.models import ErrorCode, Risk, SideEffect, ToolCall, ToolError, ToolResult, Truncation
     from toolchord.worker.redis_clients import redis_client
-    from toolchord.worker.registry import PROVIDERS, DuplicateToolError, Provider, Registry, declaration
+    from toolchord.worker.registry import PROVIDERS, DuplicateToolError, Provider, Registry
     from toolchord.worker.sandbox.profile import SandboxProfile
     from toolchord.worker.tools import ToolSpec, tool
 
@@ -45,7 +51,6 @@ _SOURCES: dict[str, str] = {
     "DuplicateToolError": "toolchord.worker.registry",
     "Provider": "toolchord.worker.registry",
     "PROVIDERS": "toolchord.worker.registry",
-    "declaration": "toolchord.worker.registry",
     "ToolContext": "toolchord.worker.context",
     "ToolOutput": "toolchord.worker.execution",
     "HandlerOutcome": "toolchord.worker.execution",
@@ -83,6 +88,8 @@ _SOURCES: dict[str, str] = {
     "ProviderAdapter": "toolchord.orchestrator.providers",
     "ProviderFormatError": "toolchord.orchestrator.providers",
     "get_adapter": "toolchord.orchestrator.providers",
+    "declaration": "toolchord.orchestrator.providers",
+    "declarations": "toolchord.orchestrator.providers",
     "PairingError": "toolchord.orchestrator.request_builder",
     "RequestBuilder": "toolchord.orchestrator.request_builder",
     "check_pairing": "toolchord.orchestrator.request_builder",
@@ -139,6 +146,7 @@ __all__ = [
     "check_pairing",
     "create_app",
     "declaration",
+    "declarations",
     "get_adapter",
     "make_model_client",
     "open_event_log",

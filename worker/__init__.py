@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from toolchord.worker.context import ToolContext
 from toolchord.worker.execution import HandlerOutcome, ToolOutput, call_handler
 from toolchord.worker.models import ErrorCode, Risk, SideEffect, ToolCall, ToolError, ToolResult, Truncation
-from toolchord.worker.registry import PROVIDERS, DuplicateToolError, Provider, Registry, declaration
+from toolchord.worker.registry import PROVIDERS, DuplicateToolError, Provider, Registry
 from toolchord.worker.sandbox.profile import SandboxProfile
 from toolchord.worker.tools import ToolSpec, tool
 
@@ -54,7 +54,6 @@ __all__ = [
     "create_app",
     "Truncation",
     "call_handler",
-    "declaration",
     "redis_client",
     "tool",
 ]

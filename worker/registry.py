@@ -1,4 +1,8 @@
-"""The registry: the single source of truth for which tools exist and how they are declared."""
+"""The registry: the single source of truth for which tools exist and their provider-neutral declarations.
+
+Rendering a declaration in a provider's request format is the adapters' job
+(`toolchord.orchestrator.providers.declarations`).
+"""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ class DuplicateToolError(ValueError):
 
 
 class Registry:
-    """Tools by name. Renders provider declarations and resolves handlers at execution time."""
+    """Tools by name: holds and looks up the tools (and their handlers, at execution time)."""
 
     def __init__(self, tools: Iterable[ToolSpec | Callable[..., Any]] = ()) -> None:
         self._tools: dict[str, ToolSpec] = {}
@@ -90,10 +94,6 @@ class Registry:
         close = difflib.get_close_matches(name, self.names, n=len(self._tools), cutoff=0.0)
         return close + [n for n in self.names if n not in close]
 
-    def declarations(self, provider: Provider) -> list[dict[str, Any]]:
-        """Tool declarations in the given provider's request format."""
-        return [declaration(spec, provider) for spec in self]
-
     def neutral_declarations(self) -> list[ToolDeclaration]:
         """Provider-neutral declarations of every tool, in registration order."""
         return [tool_declaration(spec) for spec in self]
@@ -113,10 +113,3 @@ def tool_declaration(spec: ToolSpec) -> ToolDeclaration:
     params = parameters_schema(spec.args_model)
     return ToolDeclaration(name=spec.name, description=spec.description, parameters=params,
                            strict=strict_compatible(params))
-
-
-def declaration(spec: ToolSpec, provider: Provider) -> dict[str, Any]:
-    """One tool's declaration for a provider's request; ValueError for an unknown provider."""
-    from toolchord.orchestrator.providers import get_adapter  # the adapters know the formats; lazy: no import cycle
-
-    return get_adapter(provider).render_tool(tool_declaration(spec))

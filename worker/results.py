@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from toolchord.worker import errors
+import toolchord.worker.errors as errors
 from toolchord.worker.config import DEFAULT_MAX_RESULT_DATA_BYTES
 from toolchord.worker.execution import HandlerOutcome
 from toolchord.worker.models import ToolCall, ToolResult

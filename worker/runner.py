@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from toolchord.worker import errors
+import toolchord.worker.errors as errors
 from toolchord.worker.config import DEFAULT_MAX_RESULT_DATA_BYTES
 from toolchord.worker.context import ToolContext
 from toolchord.worker.execution import HandlerOutcome

@@ -21,7 +21,7 @@ from celery import Celery, Task
 from celery.exceptions import SoftTimeLimitExceeded
 from pydantic import ValidationError
 
-from toolchord.worker import errors
+import toolchord.worker.errors as errors
 from toolchord.worker.context import ToolContext
 from toolchord.worker.execution import HandlerOutcome
 from toolchord.worker.idempotency import Claim, ClaimState

@@ -23,6 +23,7 @@ from langchain_core.runnables import RunnableConfig, RunnableLambda
 from pydantic import BaseModel
 
 from toolchord.orchestrator.pipeline import PermissionHook
+from toolchord.orchestrator.providers import declarations
 from toolchord.orchestrator.runtime import Orchestrator
 from toolchord.worker.models import ToolCall, ToolResult
 from toolchord.worker.registry import Registry
@@ -95,7 +96,7 @@ class ToolchordToolNode(RunnableLambda):
     @property
     def tool_schemas(self) -> list[dict[str, Any]]:
         """The tools as OpenAI function declarations, for `chat_model.bind_tools(...)` or a raw client."""
-        return self.registry.declarations("chat")
+        return declarations(self.registry, "chat")
 
     def _parse(self, value: Any) -> tuple[list[ToolCall], InputKind]:
         if isinstance(value, list) and value and isinstance(value[-1], dict) and value[-1].get("type") == "tool_call":
