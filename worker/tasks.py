@@ -22,6 +22,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from pydantic import ValidationError
 
 from toolchord.worker import errors
+from toolchord.worker.admission import WaitForLimit, admitted
 from toolchord.worker.context import ToolContext
 from toolchord.worker.execution import HandlerOutcome
 from toolchord.worker.idempotency import Claim, ClaimState
@@ -107,9 +108,41 @@ class CallExecution:
         return self.rt.settings.result_ttl
 
     def run(self) -> ToolResult:
-        """The call's result; Celery's soft time limit cannot interrupt toolchord's own steps."""
+        """The call's result; Celery's soft time limit cannot interrupt toolchord's own steps.
+
+        The tool's limits admit the call before anything else (its claim included): over a limit it
+        waits in the broker (WaitForLimit), or is refused when it cannot start before the deadline.
+        """
         with soft_limit_held():
-            return self._run()
+            if self.spec is None:
+                return self._run()
+            rt = self.rt
+            with admitted(rt.limiter, rt.lease_renewer, self.spec, self.p, rt.settings.visibility_timeout) as refusal:
+                return self._run() if refusal is None else self._never_started(refusal.reason)
+
+    def _never_started(self, reason: str) -> ToolResult:
+        """NOT_EXECUTED for a call this delivery did not start, once no other delivery can start it:
+        flag first, then look (as the orchestrator does for a call without a result at the deadline)."""
+        store = self.rt.store
+        try:
+            store.cancel(self.p.cancel_scope, self.rt.settings.result_ttl)
+            stored = store.result(self.p.key)
+            started = stored is None and store.started(self.p.key)
+        except StoreUnavailable as exc:
+            log.warning("could not settle call %s as not executed: %s", self.call.id, exc)
+            return self._not_executed(reason)
+        if stored is not None:
+            return self._for_this_call(stored)
+        if started:
+            # Another delivery began it: it may have acted, so this is no NOT_EXECUTED.
+            error = (errors.outcome_unknown(self.call, reason) if policy_of(self.call_class).unobserved_is_unknown
+                     else errors.turn_stopped_waiting(self.call, reason))
+            return errors.error_result(self.call, error, attempts=self.attempt)
+        return self._not_executed(reason)
+
+    @property
+    def call_class(self) -> SideEffect | None:
+        return self.spec.side_effect if self.spec is not None else None
 
     def _run(self) -> ToolResult:
         spec = self.spec
@@ -364,14 +397,19 @@ def _make_call_task(app: Celery, side_effect: SideEffect) -> Task:
             runtime = runtime_of(self.app)
             spec = runtime.registry.get(parsed.call.name)
             retries_allowed = spec.max_retries if spec is not None else 0
+            # Deliveries that only waited for a limit are no attempts (docs/flow-control.md).
+            retries = self.request.retries - parsed.waits
             execution = CallExecution(
                 runtime,
                 parsed,
-                self.request.retries + 1,
-                self.request.retries < retries_allowed,
+                retries + 1,
+                retries < retries_allowed,
                 unknown_before=unknown_outcome_in(previous),
             )
             result = execution.run()
+        except WaitForLimit as wait:
+            # Back to the broker, recording the wait in the payload: no pool process waits.
+            raise self.retry(countdown=wait.countdown, kwargs={"payload": wait.payload}, max_retries=None) from None
         except _Retry as retry:
             # CallExecution decided the retry (class policy, attempts, deadline); Celery keeps the
             # task id and the chord membership across it.
