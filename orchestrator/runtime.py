@@ -24,6 +24,7 @@ from toolchord.orchestrator.approval_store import Approval
 from toolchord.orchestrator.approvals import ApprovalDesk, needs_approval
 from toolchord.orchestrator.cancel_signals import announce_cancel, listen_for_cancels
 from toolchord.orchestrator.event_stores import EventLog
+from toolchord.orchestrator.fair_share import call_priority
 from toolchord.orchestrator.observability import observed_turn
 from toolchord.orchestrator.pipeline import PermissionHook, PreparedCall, prepare_call
 from toolchord.orchestrator.providers import get_adapter
@@ -41,6 +42,7 @@ from toolchord.worker.policy import policy_of
 from toolchord.worker.registry import Provider, Registry
 from toolchord.worker.store_errors import StoreUnavailable
 from toolchord.worker.tasks import COLLECT_TASK, TASK_NAMES, with_lost_results
+from toolchord.worker.tools import PriorityClass
 
 log = logging.getLogger("toolchord.orchestrator")
 
@@ -124,6 +126,8 @@ class Orchestrator:
         turn_timeout: float | None = None,
         permission_hook: PermissionHook | None = None,
         event_log: EventLog | None = None,
+        tenant: str | None = None,
+        priority: PriorityClass = "interactive",
     ) -> None:
         self.app = app if app is not None else create_app(settings, registry)
         self.runtime: WorkerRuntime = runtime_of(self.app)
@@ -132,6 +136,9 @@ class Orchestrator:
         self.registry.add_missing(self.runtime.registry)
         self.turn_timeout = turn_timeout
         self.permission_hook = permission_hook
+        # Flow control (docs/flow-control.md): limit keys see the tenant; priority orders the queue.
+        self.tenant = tenant
+        self.priority: PriorityClass = priority
         settings = self.runtime.settings
         self.stores: OrchestratorStores = stores_for(settings, self.runtime.stores)
         self.turns: TurnStore = self.stores.turns
@@ -212,6 +219,8 @@ class Orchestrator:
             awaiting=awaiting,
             groups=[[dc.call.id for dc in group] for group in groups],
             deadline=self._deadline(groups),
+            tenant=self.tenant,
+            priority=self.priority,
         )
 
     def _dispatched(self, prepared: PreparedCall) -> DispatchedCall:
@@ -225,7 +234,7 @@ class Orchestrator:
             side_effect=spec.side_effect,
         )
 
-    def _signature(self, record: TurnRecord, dc: DispatchedCall, first: bool) -> Signature:
+    def _signature(self, record: TurnRecord, dc: DispatchedCall, first: bool, rank: int = 0) -> Signature:
         spec = self.registry[dc.call.name]
         payload = CallPayload(
             call=dc.call,
@@ -234,6 +243,7 @@ class Orchestrator:
             session_id=record.session_id,
             turn_id=record.turn_id,
             deadline=record.deadline,
+            tenant=record.tenant,
         )
         isolated = spec.sandbox.isolate
         return self.app.signature(
@@ -248,6 +258,7 @@ class Orchestrator:
             argsrepr=f"{dc.call.name} call={dc.call.id}",
             kwargsrepr="{}",
             ignore_result=self._ignore_call_results,
+            priority=call_priority(rank, record.priority, spec.priority),
         )
 
     def _dispatch(self, record: TurnRecord) -> str | None:
@@ -255,9 +266,10 @@ class Orchestrator:
         if not record.dispatched:
             return None
         by_id = {dc.call.id: dc for dc in record.dispatched}
+        rank = {dc.call.id: position for position, dc in enumerate(record.dispatched)}
         header = []
         for group in record.groups:
-            sigs = [self._signature(record, by_id[cid], first=i == 0) for i, cid in enumerate(group)]
+            sigs = [self._signature(record, by_id[cid], first=i == 0, rank=rank[cid]) for i, cid in enumerate(group)]
             header.append(sigs[0] if len(sigs) == 1 else chain(*sigs))
         body_id = "tc-collect-" + _digest(record.session_id, record.turn_id, str(time.time_ns()))
         # Every header message carries a copy of the body (docs/architecture.md, "Celery behaviour"), so the body

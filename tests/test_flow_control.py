@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import redis
@@ -12,7 +13,7 @@ import redis
 from tests.cluster_helpers import call, run_in_thread, settings_for, wait_for
 from toolchord.orchestrator import Orchestrator
 from toolchord.orchestrator.bench.processes import WorkerProcess
-from toolchord.worker import Registry
+from toolchord.worker import Registry, ToolResult
 from toolchord.worker.celery_app import create_app
 from toolchord.worker.limits import Limit, LimitContext, MemoryLimiter, RedisLimiter, buckets_for, parse_rate
 
@@ -63,13 +64,13 @@ def test_limiter_admits_all_or_nothing_and_purges_expired_holders(kind: str, cle
     assert limiter.usage(["db"])[0] == ("db", 0, 0)
 
 
-def _turns(url: str, broker: str, tool: str, count: int, per_turn: int, **args: object) -> list[object]:
+def _turns(url: str, broker: str, tool: str, count: int, per_turn: int, **args: object) -> list[ToolResult]:
     orch = orchestrator(url, broker, turn_timeout=55)
     threads = []
     for t in range(count // per_turn):
         calls = [call(i, tool, n=t * per_turn + i, **args) for i in range(per_turn)]
         threads.append(run_in_thread(orch.run_calls, f"s{t}", calls))
-    results = []
+    results: list[ToolResult] = []
     for thread, box in threads:
         thread.join(60)
         results.extend(box["value"].results)
@@ -136,3 +137,9 @@ def test_permits_of_a_killed_worker_come_back_within_the_lease_and_no_call_is_lo
     assert [r.status for r in results] == ["ok"] * 5, [r.error for r in results]
     assert int(clean_redis.get("tc-test:pool:max") or 0) <= 5
     assert clean_redis.zcard(holders) == 0
+
+
+def test_the_worked_example_in_the_docs_runs_as_written() -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "flow-control.md").read_text()
+    code = text.split("## Worked example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "docs/flow-control.md", "exec"), {"__name__": "flow_control_example"})
