@@ -143,3 +143,19 @@ def test_the_worked_example_in_the_docs_runs_as_written() -> None:
     text = (Path(__file__).resolve().parents[1] / "docs" / "flow-control.md").read_text()
     code = text.split("## Worked example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(code, "docs/flow-control.md", "exec"), {"__name__": "flow_control_example"})
+
+
+def test_a_call_that_cannot_start_before_the_deadline_is_not_executed_naming_the_limit() -> None:
+    from toolchord import tool
+
+    @tool(side_effect="unsafe", rate="1/h", sandbox={"isolate": False})
+    def send(n: int) -> int:
+        """Send once an hour."""
+        return n
+
+    orch = Orchestrator(Registry([send]), turn_timeout=3)
+    turn = orch.run_calls("s", [call(0, "send", n=0), call(1, "send", n=1)])
+    statuses = sorted((r.status, r.error.code.value if r.error else "") for r in turn.results)
+    assert statuses == [("error", "NOT_EXECUTED"), ("ok", "")]
+    refused = next(r for r in turn.results if r.error)
+    assert "limit 'send'" in refused.error.message and "waited" in refused.error.message

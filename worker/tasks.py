@@ -118,31 +118,7 @@ class CallExecution:
                 return self._run()
             rt = self.rt
             with admitted(rt.limiter, rt.lease_renewer, self.spec, self.p, rt.settings.visibility_timeout) as refusal:
-                return self._run() if refusal is None else self._never_started(refusal.reason)
-
-    def _never_started(self, reason: str) -> ToolResult:
-        """NOT_EXECUTED for a call this delivery did not start, once no other delivery can start it:
-        flag first, then look (as the orchestrator does for a call without a result at the deadline)."""
-        store = self.rt.store
-        try:
-            store.cancel(self.p.cancel_scope, self.rt.settings.result_ttl)
-            stored = store.result(self.p.key)
-            started = stored is None and store.started(self.p.key)
-        except StoreUnavailable as exc:
-            log.warning("could not settle call %s as not executed: %s", self.call.id, exc)
-            return self._not_executed(reason)
-        if stored is not None:
-            return self._for_this_call(stored)
-        if started:
-            # Another delivery began it: it may have acted, so this is no NOT_EXECUTED.
-            error = (errors.outcome_unknown(self.call, reason) if policy_of(self.call_class).unobserved_is_unknown
-                     else errors.turn_stopped_waiting(self.call, reason))
-            return errors.error_result(self.call, error, attempts=self.attempt)
-        return self._not_executed(reason)
-
-    @property
-    def call_class(self) -> SideEffect | None:
-        return self.spec.side_effect if self.spec is not None else None
+                return self._run() if refusal is None else self._never_run(refusal.reason)
 
     def _run(self) -> ToolResult:
         spec = self.spec
