@@ -20,6 +20,7 @@ from celery.backends.redis import RedisBackend
 from celery.canvas import Signature
 from kombu.exceptions import OperationalError
 
+from toolchord.orchestrator.fair_share import call_priority
 from toolchord.orchestrator.turn import DispatchedCall, TurnRecord
 from toolchord.worker import errors
 from toolchord.worker.celery_app import WorkerRuntime, runtime_of
@@ -75,7 +76,7 @@ class CallDispatcher:
         # backends (the embedded cache) join by reading each task's result, so they keep it.
         self._ignore_call_results = isinstance(app.backend, RedisBackend)
 
-    def signature(self, record: TurnRecord, dc: DispatchedCall, first: bool) -> Signature:
+    def signature(self, record: TurnRecord, dc: DispatchedCall, first: bool, rank: int = 0) -> Signature:
         """The Celery signature of one planned call of the turn (`first`: it starts its chain)."""
         spec = self.registry[dc.call.name]
         payload = CallPayload(
@@ -85,6 +86,7 @@ class CallDispatcher:
             session_id=record.session_id,
             turn_id=record.turn_id,
             deadline=record.deadline,
+            tenant=record.tenant,
         )
         isolated = spec.sandbox.isolate
         return self.app.signature(
@@ -99,6 +101,8 @@ class CallDispatcher:
             argsrepr=f"{dc.call.name} call={dc.call.id}",
             kwargsrepr="{}",
             ignore_result=self._ignore_call_results,
+            # Fair share (docs/flow-control.md): later calls of a large fan-out queue behind small turns.
+            priority=call_priority(rank, record.priority, spec.priority),
         )
 
     def send_turn(self, record: TurnRecord) -> str | None:
@@ -106,9 +110,10 @@ class CallDispatcher:
         if not record.dispatched:
             return None
         by_id = {dc.call.id: dc for dc in record.dispatched}
+        rank = {dc.call.id: position for position, dc in enumerate(record.dispatched)}
         header = []
         for group in record.groups:
-            sigs = [self.signature(record, by_id[cid], first=i == 0) for i, cid in enumerate(group)]
+            sigs = [self.signature(record, by_id[cid], first=i == 0, rank=rank[cid]) for i, cid in enumerate(group)]
             header.append(sigs[0] if len(sigs) == 1 else chain(*sigs))
         body_id = "tc-collect-" + digest(record.session_id, record.turn_id, str(time.time_ns()))
         # Every header message carries a copy of the body (docs/architecture.md, "Celery behaviour"), so

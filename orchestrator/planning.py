@@ -18,6 +18,7 @@ from toolchord.worker.config import Settings
 from toolchord.worker.models import ToolCall, ToolResult
 from toolchord.worker.policy import policy_of
 from toolchord.worker.registry import Provider, Registry
+from toolchord.worker.tools import PriorityClass
 
 
 def plan_turn(
@@ -30,6 +31,8 @@ def plan_turn(
     settings: Settings,
     permission_hook: PermissionHook | None,
     turn_timeout: float | None,
+    tenant: str | None = None,
+    priority: PriorityClass = "interactive",
 ) -> TurnRecord:
     """Check every call and group the valid ones: one chain per shared resource, in model order."""
     early: list[ToolResult] = []
@@ -69,6 +72,8 @@ def plan_turn(
         awaiting=awaiting,
         groups=[[dc.call.id for dc in group] for group in groups],
         deadline=_deadline(groups, registry, turn_timeout),
+        tenant=tenant,
+        priority=priority,
     )
 
 

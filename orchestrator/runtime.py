@@ -41,6 +41,7 @@ from toolchord.worker.payloads import cancel_scope
 from toolchord.worker.policy import policy_of
 from toolchord.worker.registry import Provider, Registry
 from toolchord.worker.store_errors import StoreUnavailable
+from toolchord.worker.tools import PriorityClass
 
 log = logging.getLogger("toolchord.orchestrator")
 
@@ -74,6 +75,8 @@ class Orchestrator:
         turn_timeout: float | None = None,
         permission_hook: PermissionHook | None = None,
         event_log: EventLog | None = None,
+        tenant: str | None = None,
+        priority: PriorityClass = "interactive",
     ) -> None:
         self.app = app if app is not None else create_app(settings, registry)
         self.runtime: WorkerRuntime = runtime_of(self.app)
@@ -82,6 +85,9 @@ class Orchestrator:
         self.registry.add_missing(self.runtime.registry)
         self.turn_timeout = turn_timeout
         self.permission_hook = permission_hook
+        # Flow control (docs/flow-control.md): limit keys see the tenant; priority orders the queue.
+        self.tenant = tenant
+        self.priority: PriorityClass = priority
         settings = self.runtime.settings
         self.stores: OrchestratorStores = stores_for(settings, self.runtime.stores)
         self.turns: TurnStore = self.stores.turns
@@ -111,7 +117,8 @@ class Orchestrator:
         past the cap gets a NOT_EXECUTED result without being read.
         """
         return plan_turn(session_id, turn_id, calls, provider, registry=self.registry, settings=self.runtime.settings,
-                         permission_hook=self.permission_hook, turn_timeout=self.turn_timeout)
+                         permission_hook=self.permission_hook, turn_timeout=self.turn_timeout,
+                         tenant=self.tenant, priority=self.priority)
 
     # -- finishing ----------------------------------------------------------------------------
 

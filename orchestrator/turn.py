@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, PrivateAttr
 from toolchord.orchestrator.approval_store import Approval
 from toolchord.worker.models import SideEffect, ToolCall, ToolResult
 from toolchord.worker.registry import Provider
+from toolchord.worker.tools import PriorityClass
 
 TurnStatus = Literal["running", "done"]
 
@@ -50,6 +51,8 @@ class TurnRecord(BaseModel):
     deadline: float
     started_at: float = Field(default_factory=time.time, description="When the turn was planned (epoch seconds).")
     status: TurnStatus = "running"
+    tenant: str | None = Field(default=None, description="Whose turn it is, for per-tenant limits.")
+    priority: PriorityClass = "interactive"
     # The session's late calls as found when the turn started (not persisted): the turn reports
     # those whose results have arrived when it ends, without reading the list again.
     _late: tuple[LateCall, ...] = PrivateAttr(default=())

@@ -28,7 +28,7 @@ def test_redis_broker_gets_visibility_timeout_and_classic_queues() -> None:
     conf = create_app(Settings.from_env({"TOOLCHORD_BROKER_URL": REDIS, "TOOLCHORD_VISIBILITY_TIMEOUT": "400"})).conf
     assert conf.broker_transport_options == {
         "visibility_timeout": 400, "unacked_restore_interval": 100, "unacked_restore_throttle": 1,
-        "unacked_mutex_expire": 200,
+        "unacked_mutex_expire": 200, "priority_steps": list(range(10)),
     }
     assert conf.task_default_queue_type == "classic"
     assert not conf.result_backend_transport_options

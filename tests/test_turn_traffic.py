@@ -17,12 +17,14 @@ from toolchord.worker.celery_app import create_app
 pytestmark = pytest.mark.slow
 
 QUEUE = "toolchord"
+# The Redis transport keeps one list per priority step (kombu's separator between name and step).
+QUEUE_LISTS = [QUEUE, *(f"{QUEUE}\x06\x16{step}" for step in range(1, 10))]
 
 
 def _queued_message_sizes(client: redis.Redis, count: int) -> list[int]:
     """Sizes in bytes of the `count` task messages waiting in the broker queue (no worker runs yet)."""
-    wait_for(lambda: client.llen(QUEUE) >= count, 30, f"{count} task messages in the queue")
-    return [len(message) for message in client.lrange(QUEUE, 0, -1)]
+    wait_for(lambda: sum(client.llen(q) for q in QUEUE_LISTS) >= count, 30, f"{count} task messages in the queue")
+    return [len(message) for q in QUEUE_LISTS for message in client.lrange(q, 0, -1)]
 
 
 def _run_queued_turn(orch: Orchestrator, client: redis.Redis, session: str, n: int, start_worker) -> tuple[list[int], object]:
@@ -41,7 +43,7 @@ def _run_queued_turn(orch: Orchestrator, client: redis.Redis, session: str, n: i
 def test_task_messages_do_not_grow_with_the_number_of_calls(start_worker, redis_url, clean_redis):
     orch = orchestrator(redis_url, turn_timeout=120)
     small, _ = _run_queued_turn(orch, clean_redis, "s-small", 3, start_worker)
-    clean_redis.delete(QUEUE)
+    clean_redis.delete(*QUEUE_LISTS)
     large, _ = _run_queued_turn(orch, clean_redis, "s-large", 48, start_worker)
     # Ids and task ids differ by a few characters between turns; the call list would add ~4 KB.
     assert max(large) <= max(small) + 64, (max(small), max(large))

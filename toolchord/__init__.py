@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from toolchord.worker.config import Settings
     from toolchord.worker.context import ToolContext
     from toolchord.worker.execution import HandlerOutcome, ToolOutput, call_handler
+    from toolchord.worker.limits import Limit
     from toolchord.worker.models import ErrorCode, Risk, SideEffect, ToolCall, ToolError, ToolResult, Truncation
     from toolchord.worker.redis_clients import redis_client
     from toolchord.worker.registry import PROVIDERS, DuplicateToolError, Provider, Registry
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 _SOURCES: dict[str, str] = {
     "tool": "toolchord.worker.tools",
     "ToolSpec": "toolchord.worker.tools",
+    "Limit": "toolchord.worker.limits",
     "Registry": "toolchord.worker.registry",
     "DuplicateToolError": "toolchord.worker.registry",
     "Provider": "toolchord.worker.registry",
@@ -122,6 +124,7 @@ __all__ = [
     "ProviderAdapter",
     "ProviderFormatError",
     "RedisEventLog",
+    "Limit",
     "Registry",
     "RequestBuilder",
     "Risk",

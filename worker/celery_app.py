@@ -96,6 +96,8 @@ def _broker_config(settings: Settings) -> dict[str, Any]:
             # The sweep holds a Redis lock (300 s by default): a worker killed mid-sweep would
             # stop every redelivery until it lapses. A sweep takes milliseconds.
             "unacked_mutex_expire": min(300, max(5, settings.visibility_timeout // 2)),
+            # Ten priority lists per queue (0 is taken first): fair share (orchestrator/fair_share.py).
+            "priority_steps": list(range(10)),
         }
         if is_sentinel_url(settings.broker_url):
             transport["master_name"] = settings.redis_master_name

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
@@ -355,23 +355,30 @@ class MemoryIdempotencyStore:
 
 
 class LeaseRenewer:
-    """Renews every live claim of this process from one background thread.
+    """Renews every live claim of this process (and the limit permits its calls hold) from one
+    background thread.
 
     One thread per process (not per call) keeps the per-call cost to a dict update; the thread
-    starts with the first claim it holds.
+    starts with the first lease it holds.
     """
 
     def __init__(self, store: IdempotencyStore, lease: float) -> None:
-        self._store, self._lease = store, lease
-        self._held: dict[str, str] = {}
+        self._store, self.lease = store, lease
+        self._held: dict[str, Callable[[], object]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     @contextmanager
     def hold(self, key: str, token: str) -> Iterator[None]:
         """Keep the claim on `key` alive while the block runs."""
+        with self.keep(key, lambda: self._store.renew(key, token, self.lease)):
+            yield
+
+    @contextmanager
+    def keep(self, name: str, renew: Callable[[], object]) -> Iterator[None]:
+        """Call `renew` every third of the lease while the block runs (a claim, a call's permits)."""
         with self._lock:
-            self._held[key] = token
+            self._held[name] = renew
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="toolchord-lease-renewer", daemon=True)
                 self._thread.start()
@@ -379,16 +386,16 @@ class LeaseRenewer:
             yield
         finally:
             with self._lock:
-                self._held.pop(key, None)
+                self._held.pop(name, None)
 
     def _run(self) -> None:
         while True:
-            time.sleep(self._lease / 3)
+            time.sleep(self.lease / 3)
             with self._lock:
-                held = list(self._held.items())
-            for key, token in held:
+                held = list(self._held.values())
+            for renew in held:
                 try:
-                    self._store.renew(key, token, self._lease)
+                    renew()
                 except StoreUnavailable:
                     # A blip in Redis: try again next round, before the lease would run out.
                     continue

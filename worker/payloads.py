@@ -23,6 +23,11 @@ class CallPayload(BaseModel):
     session_id: str
     turn_id: str
     deadline: float
+    tenant: str | None = None
+    # Flow control (worker/admission.py): deliveries spent waiting for a limit (never attempts),
+    # and when the first of them began.
+    waits: int = 0
+    waiting_since: float | None = None
 
     @property
     def cancel_scope(self) -> str:

@@ -22,6 +22,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from pydantic import ValidationError
 
 import toolchord.worker.errors as errors
+from toolchord.worker.admission import WaitForLimit, admitted
 from toolchord.worker.context import ToolContext
 from toolchord.worker.execution import HandlerOutcome
 from toolchord.worker.idempotency import Claim, ClaimState
@@ -107,9 +108,17 @@ class CallExecution:
         return self.rt.settings.result_ttl
 
     def run(self) -> ToolResult:
-        """The call's result; Celery's soft time limit cannot interrupt toolchord's own steps."""
+        """The call's result; Celery's soft time limit cannot interrupt toolchord's own steps.
+
+        The tool's limits admit the call before anything else (its claim included): over a limit it
+        waits in the broker (WaitForLimit), or is refused when it cannot start before the deadline.
+        """
         with soft_limit_held():
-            return self._run()
+            if self.spec is None:
+                return self._run()
+            rt = self.rt
+            with admitted(rt.limiter, rt.lease_renewer, self.spec, self.p, rt.settings.visibility_timeout) as refusal:
+                return self._run() if refusal is None else self._never_run(refusal.reason)
 
     def _run(self) -> ToolResult:
         spec = self.spec
@@ -364,14 +373,19 @@ def _make_call_task(app: Celery, side_effect: SideEffect) -> Task:
             runtime = runtime_of(self.app)
             spec = runtime.registry.get(parsed.call.name)
             retries_allowed = spec.max_retries if spec is not None else 0
+            # Deliveries that only waited for a limit are no attempts (docs/flow-control.md).
+            retries = self.request.retries - parsed.waits
             execution = CallExecution(
                 runtime,
                 parsed,
-                self.request.retries + 1,
-                self.request.retries < retries_allowed,
+                retries + 1,
+                retries < retries_allowed,
                 unknown_before=unknown_outcome_in(previous),
             )
             result = execution.run()
+        except WaitForLimit as wait:
+            # Back to the broker, recording the wait in the payload: no pool process waits.
+            raise self.retry(countdown=wait.countdown, kwargs={"payload": wait.payload}, max_retries=None) from None
         except _Retry as retry:
             # CallExecution decided the retry (class policy, attempts, deadline); Celery keeps the
             # task id and the chord membership across it.

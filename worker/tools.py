@@ -9,10 +9,17 @@ from typing import Any, Literal, get_type_hints
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from toolchord.worker.context import ToolContext
+from toolchord.worker.limits import Limit, LimitKey
 from toolchord.worker.models import Risk, SideEffect
 from toolchord.worker.sandbox.profile import SandboxProfile
 
 DEFAULT_TRANSIENT: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
+
+PriorityClass = Literal["interactive", "batch"]
+"""Interactive calls are taken from the queue before batch ones (docs/flow-control.md)."""
+
+# Shorthands of `tool(...)` for a limit of the tool's own, named after it.
+_OWN_LIMIT_OPTIONS = ("concurrency", "rate", "burst", "limit_key")
 
 
 class ToolSpec(BaseModel):
@@ -46,6 +53,9 @@ class ToolSpec(BaseModel):
     approval: Literal["never", "always"] | Callable[[dict[str, Any]], bool] = Field(
         default="never", description="Whether a call waits for a person's decision (a function of the arguments).")
     approval_timeout: float = Field(default=86400.0, gt=0, description="Seconds a call may wait for its decision.")
+    limits: tuple[Limit, ...] = Field(
+        default=(), description="Fleet-wide limits every call of the tool counts against (docs/flow-control.md).")
+    priority: PriorityClass = Field(default="interactive", description="Queue priority class of the tool's calls.")
 
     @property
     def is_async(self) -> bool:
@@ -108,8 +118,9 @@ def tool(
     The argument model comes from the signature (or `args_model`, or a single pydantic-model
     parameter), the description from the docstring. `policy` takes the ToolSpec fields
     (side_effect, timeout, queue, resource, idempotency_key, cancellable, risk, sandbox,
-    max_output_chars, reconcile, transient, max_retries, approval, approval_timeout, ...). Unknown
-    options are an error.
+    max_output_chars, reconcile, transient, max_retries, approval, approval_timeout, limits, priority,
+    ...), and `concurrency`, `rate`, `burst`, `limit_key` as shorthand for a limit of the tool's own.
+    Unknown options are an error.
     """
 
     def build(func: Callable[..., Any]) -> ToolSpec:
@@ -121,9 +132,11 @@ def tool(
         else:
             model, context_param = _args_model_from_signature(func, tool_name)
             unpack = True
-        unknown = set(policy) - set(ToolSpec.model_fields)
+        unknown = set(policy) - set(ToolSpec.model_fields) - set(_OWN_LIMIT_OPTIONS)
         if unknown:
             raise TypeError(f"tool {tool_name!r}: unknown policy option(s) {sorted(unknown)}")
+        options = dict(policy)
+        options["limits"] = _limits(tool_name, options)
         return ToolSpec(
             name=tool_name,
             description=description or _description(func),
@@ -131,12 +144,27 @@ def tool(
             args_model=model,
             context_param=context_param,
             unpack_args=unpack,
-            **policy,
+            **options,
         )
 
     if fn is not None:
         return build(fn)
     return build
+
+
+def _limits(tool_name: str, options: dict[str, Any]) -> tuple[Limit, ...]:
+    """`limits=` (one Limit or several) plus the limit the shorthands `concurrency=`, `rate=`,
+    `burst=`, `limit_key=` declare, named after the tool; the shorthands are taken out of `options`."""
+    given = options.pop("limits", ())
+    limits = [given] if isinstance(given, Limit) else list(given)
+    own = {name: options.pop(name) for name in _OWN_LIMIT_OPTIONS if name in options}
+    if own:
+        key: LimitKey | None = own.pop("limit_key", None)
+        limits.append(Limit(name=tool_name, key=key, **own))
+    names = [limit.name for limit in limits]
+    if len(set(names)) != len(names):
+        raise TypeError(f"tool {tool_name!r}: two limits named alike in {names}")
+    return tuple(limits)
 
 
 def handler_kwargs(spec: ToolSpec, args: BaseModel, context: ToolContext) -> dict[str, Any]:
@@ -153,4 +181,4 @@ def handler_kwargs(spec: ToolSpec, args: BaseModel, context: ToolContext) -> dic
     return kwargs
 
 
-__all__ = ["DEFAULT_TRANSIENT", "ToolSpec", "handler_kwargs", "tool"]
+__all__ = ["DEFAULT_TRANSIENT", "PriorityClass", "ToolSpec", "handler_kwargs", "tool"]

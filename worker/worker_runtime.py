@@ -17,6 +17,7 @@ from celery.signals import worker_init, worker_process_init, worker_ready
 
 from toolchord.worker.config import Settings
 from toolchord.worker.idempotency import IdempotencyStore, LeaseRenewer
+from toolchord.worker.limits import Limiter, MemoryLimiter, RedisLimiter
 from toolchord.worker.registry import Registry
 from toolchord.worker.spill import SpillStore, read_output_tool
 from toolchord.worker.stores import WorkerStores, stores_for
@@ -62,6 +63,12 @@ class WorkerRuntime:
     def lease_renewer(self) -> LeaseRenewer:
         return LeaseRenewer(self.store, self.settings.claim_lease)
 
+    @cached_property
+    def limiter(self) -> Limiter:
+        """The tools' fleet-wide limits: on the configured Redis, else this process is the fleet."""
+        client = self.redis
+        return RedisLimiter(client) if client is not None else MemoryLimiter()
+
     @property
     def spill(self) -> SpillStore:
         return self.stores.spill
@@ -70,7 +77,7 @@ class WorkerRuntime:
         """Forget connections inherited over fork; each pool child opens its own."""
         stores = self.__dict__.get("stores")
         if stores is not None and stores.redis is not None:  # in-memory stores hold no connection to drop
-            for name in ("stores", "lease_renewer"):
+            for name in ("stores", "lease_renewer", "limiter"):
                 self.__dict__.pop(name, None)
 
     def start_embedded_worker(self, app: Celery) -> None:

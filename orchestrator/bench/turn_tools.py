@@ -7,6 +7,7 @@ after the import, so the worker's app (and the benchmark's own app) knows them b
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from celery import shared_task
@@ -39,3 +40,10 @@ def bare_call(n: int) -> str:
 def bare_collect(results: list[Any]) -> list[Any]:
     """The bare chord's callback: hand the header's results back."""
     return results
+
+
+@tool(side_effect="read", timeout=10, sandbox={"isolate": False})
+def bench_nap(ms: float) -> str:
+    """Work for `ms` milliseconds (the fairness bench's call)."""
+    time.sleep(ms / 1000)
+    return "ok"
