@@ -121,3 +121,29 @@ def test_a_rewrapped_importable_function_runs_in_the_zygote() -> None:
         rewrapped, rewrapped.args_model(), sandbox_tools.make_context(rewrapped.name)
     )
     assert outcome.data == zygote_pid()
+
+
+LARGE_HEAP_CALL = """
+import json, sys, time
+from tests import sandbox_tools
+from toolchord.worker import tool
+from toolchord.worker.sandbox import run_isolated
+from toolchord.worker.sandbox.zygote import set_zygote_enabled
+
+set_zygote_enabled(False)  # every isolated call is a direct fork of this process
+heap = [[i] for i in range(4_000_000)]  # a worker that holds millions of objects
+spec = tool(sandbox_tools.plain_parent_pid, name="large_heap_call", timeout=1)
+outcome = run_isolated(spec, spec.args_model(), sandbox_tools.make_context(spec.name))
+print(json.dumps({"status": outcome.status, "started": outcome.started, "ms": outcome.duration_ms}))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_direct_fork_of_a_worker_with_a_large_heap_starts_within_its_time() -> None:
+    # Finding the secret-holding objects walks the whole heap: in the child it copied every page
+    # and counted against the call's 1 s limit (it timed out before it started).
+    done = subprocess.run([sys.executable, "-c", LARGE_HEAP_CALL], cwd=ROOT, capture_output=True, text=True,
+                          timeout=150, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (outcome["status"], outcome["started"]) == ("ok", True), outcome

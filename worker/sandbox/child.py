@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, NoReturn
+from typing import Any, Literal, NoReturn
 
 from pydantic import BaseModel, ValidationError
 
@@ -126,6 +126,8 @@ class ChildPlan:
     hidden_paths: tuple[str, ...] = ()
     ipc_namespace: bool = False
     worker_fork: bool = False
+    # A direct fork's copies of the worker's secret-holding objects, found before the fork.
+    secret_holders: tuple[Any, ...] = ()
 
     @property
     def profile(self) -> SandboxProfile:
@@ -142,7 +144,7 @@ def child_main(plan: ChildPlan) -> NoReturn:
             os.setpgid(0, 0)
         _arrange_fds(plan)
         if plan.worker_fork:
-            forget_worker_secrets()
+            forget_worker_secrets(plan.secret_holders)
     except BaseException:  # noqa: BLE001 - nothing may unwind into the worker's stack
         os._exit(SETUP_FAILED_STATUS)
     # Inherited objects go to the permanent generation: a collection in the child then never walks

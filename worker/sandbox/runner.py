@@ -52,6 +52,7 @@ from toolchord.worker.sandbox.import_paths import private_import_roots
 from toolchord.worker.sandbox.limits import cpu_seconds
 from toolchord.worker.sandbox.profile import DirectFork, Layer, SandboxProfile
 from toolchord.worker.sandbox.read_paths import DEVICE_PATHS, code_read_paths
+from toolchord.worker.sandbox.scrub import secret_holders
 from toolchord.worker.sandbox.workdir import (
     Workdir,
     make_workdir,
@@ -571,6 +572,7 @@ def _fork_worker(
         hidden_paths=layers.hidden_paths,
         ipc_namespace=layers.ipc_namespace,
         worker_fork=True,
+        secret_holders=secret_holders(),
     )
     pid = os.fork()
     if pid == 0:
