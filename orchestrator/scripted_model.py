@@ -63,6 +63,8 @@ class ScriptedTurn(BaseModel):
         description="Chat: extension fields of the message (e.g. DeepSeek `reasoning_content`); text streams in pieces.")
     stream_seconds: float = Field(
         default=0.0, ge=0, description="A streamed answer spreads its events evenly over this many seconds.")
+    tail_seconds: float = Field(
+        default=0.0, ge=0, description="A streamed answer pauses this long before its last event (on top of stream_seconds).")
     cut_at_call: int | None = Field(
         default=None, ge=0,
         description="A streamed answer stops right after call N (0-based) starts, as a dropped connection: "
@@ -270,7 +272,8 @@ def _starts_call(api: str, event: dict[str, Any]) -> bool:
 
 
 class _Paced:
-    """A scripted stream's events, sent evenly over `stream_seconds`, stopped at `cut_at_call`."""
+    """A scripted stream's events, sent evenly over `stream_seconds` (the last one `tail_seconds`
+    later), stopped at `cut_at_call`."""
 
     def __init__(self, api: str, turn: ScriptedTurn, events: list[dict[str, Any]]) -> None:
         self.api = api
@@ -284,6 +287,8 @@ class _Paced:
         for position, event in enumerate(self.events):
             if position and pause:
                 time.sleep(pause)
+            if position == len(self.events) - 1 and self.turn.tail_seconds:
+                time.sleep(self.turn.tail_seconds)
             yield event
             if _starts_call(self.api, event):
                 started += 1
