@@ -21,7 +21,9 @@ from toolchord.orchestrator.event_stores import EventLog
 from toolchord.orchestrator.events import (
     ApprovalDecided,
     ApprovalRequested,
+    CallSentEarly,
     Event,
+    MessageEnded,
     ModelFailed,
     ModelOutput,
     ModelRequest,
@@ -48,7 +50,12 @@ from toolchord.worker.registry import Provider, Registry
 
 if TYPE_CHECKING:
     from toolchord.orchestrator.runtime import Orchestrator
+    from toolchord.orchestrator.streaming import StreamingTurn
     from toolchord.orchestrator.turn import TurnResult
+
+
+class IncompleteMessage(RuntimeError):
+    """A streamed message the model did not finish (the cause of its ModelError)."""
 
 
 class AgentStep(BaseModel):
@@ -96,6 +103,7 @@ class Agent:
         system: str | None = None,
         max_steps: int = 16,
         stream: bool = False,
+        eager: bool = True,
         max_retries: int = 2,
         request_options: dict[str, Any] | None = None,
         on_step: Callable[[AgentStep], None] | None = None,
@@ -116,6 +124,9 @@ class Agent:
         self.system = system
         self.max_steps = max_steps
         self.stream = stream
+        # Eager dispatch (docs/agent-loop.md): with a stream, calls that may start early start as
+        # soon as their arguments are complete instead of after the whole message.
+        self.eager = eager
         self.request_options = dict(request_options or {})
         self.on_step = on_step
         # Built once: every run declares the same tools (the orchestrator copied the registry too).
@@ -140,6 +151,7 @@ class Agent:
         return recorder
 
     def _request(self, recorder: SessionRecorder, step: int) -> dict[str, Any]:
+        """The step's request, rebuilt from the log, with its `model_request` event written."""
         request = self.builder.build(recorder.session_id, self.provider, model=self.model)
         tools = next((e for e in reversed(self.log.read(recorder.session_id)) if isinstance(e, ToolsDeclared)), None)
         recorder.append(ModelRequest(provider=self.provider, model=self.model, step=step, stream=self.stream,
@@ -150,14 +162,15 @@ class Agent:
         recorder.append(ModelFailed(provider=self.provider, model=self.model, error_type=type(exc.__cause__).__name__,
                                     message=str(exc)))
 
-    def _record_output(self, recorder: SessionRecorder, reply: ModelReply) -> tuple[str, str, list[ToolCall]]:
+    def _record_output(self, recorder: SessionRecorder, reply: ModelReply,
+                       turn_id: str | None = None) -> tuple[str, str, list[ToolCall]]:
         adapter = get_adapter(self.provider)
         calls = reply.calls if reply.calls is not None else adapter.parse_calls(reply.output)
         calls = sorted(calls, key=lambda call: call.index)  # streams hand calls out as they complete
         # Lone surrogates (a JSON escape like "\\ud800" a non-streamed reply decodes) cannot be logged or
         # sent: the calls above escaped them (INVALID_JSON), the output and items get them repaired.
         items = well_formed_output(adapter.assistant_items(reply.output))
-        turn_id = uuid.uuid4().hex
+        turn_id = turn_id or uuid.uuid4().hex
         recorder.model_output(self.provider, self.model, turn_id, well_formed_output(reply.output), items, calls)
         if calls:
             recorder.dispatched(turn_id, [call.id for call in calls])
@@ -179,6 +192,46 @@ class Agent:
             self.on_step(done)
         return done
 
+    # -- eager dispatch: calls start while the model's message streams ---------------------------
+
+    def _eager_now(self) -> bool:
+        return self.stream and self.eager
+
+    def _streaming_turn(self, recorder: SessionRecorder, request: dict[str, Any]) -> StreamingTurn:
+        turn_id = uuid.uuid4().hex
+
+        def sent(call: ToolCall) -> None:
+            recorder.append(CallSentEarly(turn_id=turn_id, call_id=call.id, tool=call.name))
+
+        # Scoped by the request's digest: a retry of this request (same log, same bytes) maps the
+        # same calls to the same keys, so what already ran is reused.
+        return self.orchestrator.streaming_turn(recorder.session_id, turn_id=turn_id, provider=self.provider,
+                                                scope=request_digest(request), on_sent=sent)
+
+    def _message_failed(self, recorder: SessionRecorder, streaming: StreamingTurn, exc: ModelError) -> None:
+        """The stream broke: nothing else starts, its model output is never written (the calls
+        sent early stay out of the history; their stored results serve a retry)."""
+        streaming.end(None)
+        recorder.append(MessageEnded(turn_id=streaming.turn_id, complete=False, reason=str(exc)))
+        self._failed(recorder, exc)
+
+    def _finished_message(self, request: dict[str, Any], reply: ModelReply) -> ModelReply:
+        """The streamed reply when the model ended it cleanly; a message cut short (token limit,
+        refusal, dropped connection) raises ModelError like a failed request: none of its `unsafe`
+        calls ever started."""
+        if not reply.ended_cleanly:
+            raise ModelError(self.provider, str(request.get("model")),
+                             IncompleteMessage("the streamed message ended before the model finished it"))
+        return reply
+
+    def _record_streamed(self, recorder: SessionRecorder, streaming: StreamingTurn,
+                         reply: ModelReply) -> tuple[str, str, list[ToolCall]]:
+        """Log the message's end and its output, then end the streaming turn with its final calls."""
+        recorder.append(MessageEnded(turn_id=streaming.turn_id, complete=True))
+        turn_id, text, calls = self._record_output(recorder, reply, streaming.turn_id)
+        streaming.end(calls)
+        return turn_id, text, calls
+
     # -- the loop -------------------------------------------------------------------------------
 
     def _stop(self, recorder: SessionRecorder, steps: list[AgentStep], turn: TurnResult | None) -> AgentResult | None:
@@ -199,6 +252,20 @@ class Agent:
         first = self._first_step(recorder.session_id)
         for step in range(first, first + self.max_steps):
             request = self._request(recorder, step)
+            if self._eager_now():
+                streaming = self._streaming_turn(recorder, request)
+                try:
+                    reply = self._finished_message(request, self.client.complete(
+                        request, stream=True, on_call=streaming.add))
+                except ModelError as exc:
+                    self._message_failed(recorder, streaming, exc)
+                    raise
+                turn_id, text, calls = self._record_streamed(recorder, streaming, reply)
+                turn = streaming.wait() if calls else None
+                steps.append(self._record_turn(recorder, step, turn_id, text, calls, turn))
+                if (done := self._stop(recorder, steps, turn)) is not None:
+                    return done
+                continue
             try:
                 reply = self.client.complete(request, stream=self.stream)
             except ModelError as exc:
@@ -217,6 +284,20 @@ class Agent:
         first = self._first_step(recorder.session_id)
         for step in range(first, first + self.max_steps):
             request = self._request(recorder, step)
+            if self._eager_now():
+                streaming = self._streaming_turn(recorder, request)
+                try:
+                    reply = self._finished_message(request, await self.client.acomplete(
+                        request, stream=True, on_call=streaming.add))
+                except ModelError as exc:
+                    self._message_failed(recorder, streaming, exc)
+                    raise
+                turn_id, text, calls = self._record_streamed(recorder, streaming, reply)
+                turn = await streaming.await_() if calls else None
+                steps.append(self._record_turn(recorder, step, turn_id, text, calls, turn))
+                if (done := self._stop(recorder, steps, turn)) is not None:
+                    return done
+                continue
             try:
                 reply = await self.client.acomplete(request, stream=self.stream)
             except ModelError as exc:

@@ -19,7 +19,7 @@ from typing import Any
 from toolchord.worker.registry import PROVIDERS, Registry
 
 _PASSTHROUGH = ("worker", "flower", "bench")
-_BENCHES = ("turns", "sandbox", "load", "fairness")
+_BENCHES = ("turns", "sandbox", "load", "fairness", "stream")
 
 
 def _registry(modules: str | None) -> Registry:

@@ -125,6 +125,22 @@ class CallDispatcher:
             _release_pending(self.app.backend, [dc.task_id for dc in record.dispatched])
         return body_id
 
+    def send_call(self, record: TurnRecord, dc: DispatchedCall) -> None:
+        """Send one call on its own, before its turn is complete (eager dispatch: no chord waits for it)."""
+        self.signature(record, dc, first=True).apply_async()
+
+    def send_groups(self, record: TurnRecord, already_sent: set[str]) -> None:
+        """Send each header element of the turn on its own (no chord), skipping calls already sent:
+        the turn is collected from the idempotency store (`TurnWait(has_callback=False)`)."""
+        by_id = {dc.call.id: dc for dc in record.dispatched}
+        rank = {dc.call.id: position for position, dc in enumerate(record.dispatched)}
+        for group in record.groups:
+            todo = [cid for cid in group if cid not in already_sent]
+            if not todo:
+                continue
+            sigs = [self.signature(record, by_id[cid], first=i == 0, rank=rank[cid]) for i, cid in enumerate(todo)]
+            (sigs[0] if len(sigs) == 1 else chain(*sigs)).apply_async()
+
     def send_turn_patiently(self, record: TurnRecord) -> str | None:
         """`send_turn`, waiting up to the turn's deadline for a broker that cannot be reached (a
         restart, a failover); OperationalError when it still cannot be reached then."""

@@ -101,6 +101,26 @@ class CallStarted(_Event):
     call_id: str
 
 
+class CallSentEarly(_Event):
+    """A call was sent to the workers while its message still streamed (eager dispatch). Not part
+    of requests or repair: the call enters the history only with its message (`model_output`)."""
+
+    type: Literal["call_sent_early"] = "call_sent_early"
+    turn_id: str
+    call_id: str
+    tool: str
+
+
+class MessageEnded(_Event):
+    """The model's streamed message ended (`ts`): completed cleanly, or not (then its model output is
+    never written, and its calls sent early stay out of the history). Not part of requests."""
+
+    type: Literal["message_ended"] = "message_ended"
+    turn_id: str
+    complete: bool
+    reason: str = ""
+
+
 class CallResult(_Event):
     type: Literal["call_result"] = "call_result"
     turn_id: str
@@ -165,7 +185,8 @@ class Transformation(_Event):
 
 Event = Annotated[
     SessionStarted | ToolsDeclared | UserInput | ModelRequest | ModelOutput | CallParsed | TurnDispatched
-    | CallStarted | CallResult | LateResult | ApprovalRequested | ApprovalDecided | ModelFailed | Transformation,
+    | CallStarted | CallSentEarly | MessageEnded | CallResult | LateResult | ApprovalRequested | ApprovalDecided
+    | ModelFailed | Transformation,
     Field(discriminator="type"),
 ]
 _EVENT = TypeAdapter(Event)
@@ -196,9 +217,11 @@ __all__ = [
     "ApprovalRequested",
     "CallParsed",
     "CallResult",
+    "CallSentEarly",
     "CallStarted",
     "Event",
     "LateResult",
+    "MessageEnded",
     "ModelFailed",
     "ModelOutput",
     "ModelRequest",

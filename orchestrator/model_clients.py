@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, NamedTuple, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -69,6 +69,8 @@ class ModelReply(BaseModel):
     output: Any
     streamed: bool = False
     calls: list[ToolCall] | None = Field(default=None, description="Set for streams: calls in completion order.")
+    ended_cleanly: bool = Field(
+        default=True, description="False for a stream the model did not finish (token limit, refusal, dropped connection).")
 
 
 class ModelClient(Protocol):
@@ -76,9 +78,11 @@ class ModelClient(Protocol):
 
     provider: Provider
 
-    def complete(self, request: dict[str, Any], *, stream: bool = False) -> ModelReply: ...
+    def complete(self, request: dict[str, Any], *, stream: bool = False,
+                 on_call: Callable[[ToolCall], object] | None = None) -> ModelReply: ...
 
-    async def acomplete(self, request: dict[str, Any], *, stream: bool = False) -> ModelReply: ...
+    async def acomplete(self, request: dict[str, Any], *, stream: bool = False,
+                        on_call: Callable[[ToolCall], object] | None = None) -> ModelReply: ...
 
 
 class SdkModelClient:
@@ -114,21 +118,24 @@ class SdkModelClient:
         # Any SDK's error may surface (an OpenAI-compatible proxy in front of another API, say).
         return tuple(importlib.import_module(module).APIError for module in sorted({s.module for s in _SDKS.values()}))
 
-    def complete(self, request: dict[str, Any], *, stream: bool = False) -> ModelReply:
-        """Send the request and wait for the whole answer (assembling the stream when `stream`)."""
+    def complete(self, request: dict[str, Any], *, stream: bool = False,
+                 on_call: Callable[[ToolCall], object] | None = None) -> ModelReply:
+        """Send the request and wait for the whole answer (assembling the stream when `stream`;
+        `on_call` hears each call the moment the stream completes it)."""
         create = self._create(self._client(False))
         try:
             if not stream:
                 return ModelReply(output=to_plain(create(**request)))
             events = create(**request, stream=True)
             try:
-                return self._assemble(events)
+                return self._assemble(events, on_call)
             finally:
                 events.close()
         except self._errors() as exc:
             raise ModelError(self.provider, str(request.get("model")), exc) from exc
 
-    async def acomplete(self, request: dict[str, Any], *, stream: bool = False) -> ModelReply:
+    async def acomplete(self, request: dict[str, Any], *, stream: bool = False,
+                        on_call: Callable[[ToolCall], object] | None = None) -> ModelReply:
         """Async twin of `complete`."""
         create = self._create(self._client(True))
         try:
@@ -136,27 +143,23 @@ class SdkModelClient:
                 return ModelReply(output=to_plain(await create(**request)))
             events = await create(**request, stream=True)
             try:
-                return await self._aassemble(events)
+                return await self._aassemble(events, on_call)
             finally:
                 await events.close()
         except self._errors() as exc:
             raise ModelError(self.provider, str(request.get("model")), exc) from exc
 
-    def _assemble(self, events: Iterable[Any]) -> ModelReply:
-        accumulator = get_adapter(self.provider).stream_accumulator()
-        calls: list[ToolCall] = []
+    def _assemble(self, events: Iterable[Any], on_call: Callable[[ToolCall], object] | None) -> ModelReply:
+        assembly = _Assembly(self.provider, on_call)
         for event in events:
-            calls.extend(accumulator.feed(event))
-        calls.extend(accumulator.finish())
-        return ModelReply(output=accumulator.assistant_output(), streamed=True, calls=calls)
+            assembly.feed(event)
+        return assembly.reply()
 
-    async def _aassemble(self, events: AsyncIterator[Any]) -> ModelReply:
-        accumulator = get_adapter(self.provider).stream_accumulator()
-        calls: list[ToolCall] = []
+    async def _aassemble(self, events: AsyncIterator[Any], on_call: Callable[[ToolCall], object] | None) -> ModelReply:
+        assembly = _Assembly(self.provider, on_call)
         async for event in events:
-            calls.extend(accumulator.feed(event))
-        calls.extend(accumulator.finish())
-        return ModelReply(output=accumulator.assistant_output(), streamed=True, calls=calls)
+            assembly.feed(event)
+        return assembly.reply()
 
     def close(self) -> None:
         if self._sync is not None:
@@ -167,6 +170,31 @@ class SdkModelClient:
         if self._async is not None:
             await self._async.close()
             self._async = None
+
+
+class _Assembly:
+    """One stream being assembled: each completed call goes to `on_call` at once; a call the
+    stream amends later (a chat proxy interleaving fragments) keeps its last form."""
+
+    def __init__(self, provider: Provider, on_call: Callable[[ToolCall], object] | None) -> None:
+        self._accumulator = get_adapter(provider).stream_accumulator()
+        self._on_call = on_call
+        self._calls: dict[str, ToolCall] = {}
+
+    def _take(self, calls: list[ToolCall]) -> None:
+        for call in calls:
+            amended = call.id in self._calls
+            self._calls[call.id] = call
+            if self._on_call is not None and not amended:
+                self._on_call(call)
+
+    def feed(self, event: Any) -> None:
+        self._take(self._accumulator.feed(event))
+
+    def reply(self) -> ModelReply:
+        self._take(self._accumulator.finish())
+        return ModelReply(output=self._accumulator.assistant_output(), streamed=True, calls=list(self._calls.values()),
+                          ended_cleanly=self._accumulator.ended_cleanly())
 
 
 def _key_in_env(provider: Provider) -> bool:

@@ -18,7 +18,7 @@ from toolchord.orchestrator.providers.plain_data import ArgumentsProblem, load_a
 from toolchord.worker import errors
 from toolchord.worker.config import DEFAULT_MAX_ARGUMENT_BYTES, DEFAULT_MAX_RESULT_DATA_BYTES
 from toolchord.worker.context import ToolContext
-from toolchord.worker.idempotency import idempotency_key
+from toolchord.worker.idempotency import eager_idempotency_key, idempotency_key
 from toolchord.worker.models import ToolCall, ToolResult
 from toolchord.worker.registry import Registry
 from toolchord.worker.runner import execute_call
@@ -126,10 +126,13 @@ def prepare_call(
     permission_hook: PermissionHook | None = None,
     *,
     max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES,
+    eager_scope: str | None = None,
 ) -> PreparedCall | ToolResult:
     """Run the pre-dispatch checks in order: the name before the arguments, permission last.
 
     Arguments over `max_argument_bytes` are refused (INVALID_ARGUMENTS) before they are parsed.
+    `eager_scope` (a call started while its message streams): the key is derived from the scope,
+    name and arguments instead of the call id (`eager_idempotency_key`).
     """
     spec = registry.get(call.name)
     if spec is None:
@@ -157,7 +160,8 @@ def prepare_call(
         reason = f"they are nested too deeply to pass on ({type(exc).__name__})"
         return errors.error_result(call, errors.unusable_arguments(call, reason))
     try:
-        key = idempotency_key(spec, session_id, call.id, arguments)
+        key = (idempotency_key(spec, session_id, call.id, arguments) if eager_scope is None
+               else eager_idempotency_key(spec, session_id, eager_scope, arguments))
         resource = spec.resource(arguments) if spec.resource is not None else None
     except Exception as exc:  # noqa: BLE001 - a failing policy function must not end the turn
         _log.exception("idempotency_key/resource function of %s failed (call %s)", call.name, call.id)

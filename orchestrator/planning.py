@@ -33,8 +33,14 @@ def plan_turn(
     turn_timeout: float | None,
     tenant: str | None = None,
     priority: PriorityClass = "interactive",
+    sent: dict[str, DispatchedCall] | None = None,
 ) -> TurnRecord:
-    """Check every call and group the valid ones: one chain per shared resource, in model order."""
+    """Check every call and group the valid ones: one chain per shared resource, in model order.
+
+    `sent`: calls already dispatched while the message streamed, by call id; a call of the final
+    message with the same id, name and arguments keeps that plan (its key and task) instead of
+    being checked again."""
+    sent = sent or {}
     early: list[ToolResult] = []
     by_resource: dict[str, list[DispatchedCall]] = {}
     groups: list[list[DispatchedCall]] = []
@@ -44,13 +50,18 @@ def plan_turn(
         if position >= settings.max_calls_per_turn:
             early.append(errors.error_result(call, errors.over_call_cap(call, len(calls), settings.max_calls_per_turn)))
             continue
+        early_dc = sent.get(call.id)
+        if early_dc is not None and early_dc.call.name == call.name and early_dc.call.arguments_raw == call.arguments_raw:
+            dispatched.append(early_dc)
+            groups.append([early_dc])
+            continue
         prepared = prepare_call(
             call, registry, session_id, permission_hook, max_argument_bytes=settings.max_argument_bytes
         )
         if isinstance(prepared, ToolResult):
             early.append(prepared)
             continue
-        dc = _dispatched(prepared, registry)
+        dc = dispatched_call(prepared, registry)
         if needs_approval(registry[call.name], prepared.arguments):
             awaiting.append(dc)
             continue
@@ -77,6 +88,11 @@ def plan_turn(
     )
 
 
+def call_deadline(dc: DispatchedCall, registry: Registry, turn_timeout: float | None) -> float:
+    """The deadline of one call sent on its own (as a turn of that call alone would have)."""
+    return _deadline([[dc]], registry, turn_timeout)
+
+
 def _deadline(groups: list[list[DispatchedCall]], registry: Registry, turn_timeout: float | None) -> float:
     if turn_timeout is not None:
         return time.time() + turn_timeout
@@ -91,7 +107,8 @@ def _deadline(groups: list[list[DispatchedCall]], registry: Registry, turn_timeo
     return time.time() + longest + 5
 
 
-def _dispatched(prepared: PreparedCall, registry: Registry) -> DispatchedCall:
+def dispatched_call(prepared: PreparedCall, registry: Registry) -> DispatchedCall:
+    """The plan of a checked call: its key, its task id (stable across resubmission), its class."""
     spec = registry[prepared.call.name]
     return DispatchedCall(
         call=prepared.call,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
+from collections.abc import AsyncIterable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from toolchord.orchestrator.pipeline import PermissionHook
 from toolchord.orchestrator.planning import plan_turn
 from toolchord.orchestrator.providers import get_adapter
 from toolchord.orchestrator.stores import OrchestratorStores, stores_for
+from toolchord.orchestrator.streaming import StreamingTurn, arun_stream, run_stream
 from toolchord.orchestrator.turn import DispatchedCall, LateCall, TurnRecord, TurnResult
 from toolchord.orchestrator.turn_store import TurnStore
 from toolchord.orchestrator.turn_wait import ASYNC_SLICE, BLOCKING_SLICE, TurnWait, wait_async, wait_blocking
@@ -110,15 +113,17 @@ class Orchestrator:
 
     # -- planning -----------------------------------------------------------------------------
 
-    def plan(self, session_id: str, turn_id: str, calls: list[ToolCall], provider: Provider) -> TurnRecord:
+    def plan(self, session_id: str, turn_id: str, calls: list[ToolCall], provider: Provider,
+             sent: dict[str, DispatchedCall] | None = None) -> TurnRecord:
         """Check every call and group the valid ones: one chain per shared resource, in model order.
 
         Only the first `max_calls_per_turn` calls (model order) are checked and may run; each call
-        past the cap gets a NOT_EXECUTED result without being read.
+        past the cap gets a NOT_EXECUTED result without being read. `sent`: calls already sent
+        while the message streamed (eager dispatch), kept as they were planned.
         """
         return plan_turn(session_id, turn_id, calls, provider, registry=self.registry, settings=self.runtime.settings,
                          permission_hook=self.permission_hook, turn_timeout=self.turn_timeout,
-                         tenant=self.tenant, priority=self.priority)
+                         tenant=self.tenant, priority=self.priority, sent=sent)
 
     # -- finishing ----------------------------------------------------------------------------
 
@@ -243,14 +248,74 @@ class Orchestrator:
         if (session_id, turn_id) in self._waiting:
             self._cancelled_here.add((session_id, turn_id))
 
-    def _turn_wait(self, record: TurnRecord, callback_slice: float) -> TurnWait:
+    def _turn_wait(self, record: TurnRecord, callback_slice: float, has_callback: bool = True) -> TurnWait:
         turn = (record.session_id, record.turn_id)
         return TurnWait(
             record,
             callback_slice=callback_slice,
             cancelled=lambda ask_redis: turn in self._cancelled_here or (ask_redis and self.turns.cancelled(*turn)),
             all_stored=lambda: self._all_stored(record),
+            has_callback=has_callback,
         )
+
+    # -- eager dispatch (orchestrator/streaming.py drives these) --------------------------------
+
+    def watch(self, record: TurnRecord) -> None:
+        """This process waits for the turn: it hears its cancels (a streamed turn, from its first call on)."""
+        self._listen_for_cancels()
+        self._waiting.add((record.session_id, record.turn_id))
+
+    def unwatch(self, record: TurnRecord) -> None:
+        """This process no longer waits for the turn (its message never completed)."""
+        self._stop_watching(record)
+
+    def start_streamed(self, record: TurnRecord, already_sent: set[str]) -> None:
+        """Save a streamed turn's record and send the calls not sent while it streamed."""
+        found, late = self.turns.find(record.session_id, record.turn_id)
+        if found is None:
+            self.turns.save(record)
+        self.approvals.request(record)
+        record._late = tuple(late)
+        self.watch(record)
+        self.dispatcher.send_groups(record, already_sent)
+
+    def store_wait(self, record: TurnRecord, callback_slice: float) -> TurnWait:
+        """The waiting decisions of a streamed turn: no chord callback, results from the idempotency store."""
+        return self._turn_wait(record, callback_slice, has_callback=False)
+
+    def finish_streamed(self, record: TurnRecord, reason: str) -> TurnResult:
+        """One result per call of a streamed turn, read from the idempotency store."""
+        return self._finish(record, None, reason)
+
+    def streaming_turn(self, session_id: str, *, turn_id: str | None = None, provider: Provider = "chat",
+                       scope: str | None = None, eager: bool = True,
+                       on_sent: Callable[[ToolCall], None] | None = None) -> StreamingTurn:
+        """A turn fed call by call while the model streams (`add`, `end`, `wait`): calls that may
+        start early start at once (docs/agent-loop.md, "Eager dispatch"). `scope` names the model
+        request (its retry must give the same scope to reuse results); default: the turn id."""
+        turn_id = turn_id or uuid.uuid4().hex
+        return StreamingTurn(self, session_id, turn_id, provider, scope=scope or turn_id, eager=eager, on_sent=on_sent)
+
+    def run_stream(
+        self, session_id: str, calls: Iterable[ToolCall], *, provider: Provider = "chat", turn_id: str | None = None,
+        scope: str | None = None, eager: bool = True,
+        message_complete: Callable[[list[ToolCall]], list[ToolCall] | None] | None = None,
+    ) -> TurnResult | None:
+        """Run calls as a stream completes them: each that may start early starts at once, the rest
+        when the iterable ends; then wait (blocking) for one result per call. `message_complete(seen)`
+        gives the message's final calls, or None when it did not complete cleanly: then nothing else
+        starts and None is returned (the early calls' results stay stored by key for a retry)."""
+        return run_stream(self, session_id, calls, provider=provider, turn_id=turn_id or uuid.uuid4().hex,
+                          scope=scope, eager=eager, message_complete=message_complete)
+
+    async def arun_stream(
+        self, session_id: str, calls: AsyncIterable[ToolCall], *, provider: Provider = "chat",
+        turn_id: str | None = None, scope: str | None = None, eager: bool = True,
+        message_complete: Callable[[list[ToolCall]], list[ToolCall] | None] | None = None,
+    ) -> TurnResult | None:
+        """Async twin of `run_stream`."""
+        return await arun_stream(self, session_id, calls, provider=provider, turn_id=turn_id or uuid.uuid4().hex,
+                                 scope=scope, eager=eager, message_complete=message_complete)
 
     def _all_stored(self, record: TurnRecord) -> bool:
         """Whether every dispatched call has a result in the idempotency store (False if unreachable)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
@@ -60,6 +61,14 @@ class ScriptedTurn(BaseModel):
     extra: dict[str, Any] = Field(
         default_factory=dict,
         description="Chat: extension fields of the message (e.g. DeepSeek `reasoning_content`); text streams in pieces.")
+    stream_seconds: float = Field(
+        default=0.0, ge=0, description="A streamed answer spreads its events evenly over this many seconds.")
+    tail_seconds: float = Field(
+        default=0.0, ge=0, description="A streamed answer pauses this long before its last event (on top of stream_seconds).")
+    cut_at_call: int | None = Field(
+        default=None, ge=0,
+        description="A streamed answer stops right after call N (0-based) starts, as a dropped connection: "
+                    "the calls before it are complete, no terminal event is sent.")
 
 
 class RecordedRequest(BaseModel):
@@ -252,6 +261,42 @@ def _anthropic_events(turn: ScriptedTurn, ids: _Ids, model: str) -> Iterator[dic
     yield {"type": "message_stop"}
 
 
+def _starts_call(api: str, event: dict[str, Any]) -> bool:
+    """Whether a stream event is the first one of a tool call."""
+    if api == "anthropic":
+        return event.get("type") == "content_block_start" and event["content_block"].get("type") == "tool_use"
+    if api == "responses":
+        return event.get("type") == "response.output_item.added" and event["item"].get("type") == "function_call"
+    fragments = event["choices"][0]["delta"].get("tool_calls") or []
+    return any("id" in fragment for fragment in fragments)
+
+
+class _Paced:
+    """A scripted stream's events, sent evenly over `stream_seconds` (the last one `tail_seconds`
+    later), stopped at `cut_at_call`."""
+
+    def __init__(self, api: str, turn: ScriptedTurn, events: list[dict[str, Any]]) -> None:
+        self.api = api
+        self.turn = turn
+        self.events = events
+        self.cut = False
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        pause = self.turn.stream_seconds / max(len(self.events), 1)
+        started = 0
+        for position, event in enumerate(self.events):
+            if position and pause:
+                time.sleep(pause)
+            if position == len(self.events) - 1 and self.turn.tail_seconds:
+                time.sleep(self.turn.tail_seconds)
+            yield event
+            if _starts_call(self.api, event):
+                started += 1
+                if self.turn.cut_at_call is not None and started > self.turn.cut_at_call:
+                    self.cut = True
+                    return
+
+
 def _error_body(api: str, status: int) -> dict[str, Any]:
     kind = "rate_limit_error" if status == 429 else "api_error"
     message = f"scripted error {status}"
@@ -345,7 +390,7 @@ class ScriptedModelServer:
                 model = str(body.get("model") or server.model)
                 if body.get("stream"):
                     events = {"chat": _chat_chunks, "responses": _responses_events, "anthropic": _anthropic_events}[api]
-                    self._sse(api, events(turn, ids, model))
+                    self._sse(api, _Paced(api, turn, list(events(turn, ids, model))))
                 else:
                     render = {"chat": chat_completion, "responses": responses_response, "anthropic": anthropic_message}[api]
                     self._json(200, render(turn, ids, model))
@@ -362,7 +407,7 @@ class ScriptedModelServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def _sse(self, api: str, events: Iterator[dict[str, Any]]) -> None:
+            def _sse(self, api: str, events: _Paced) -> None:
                 self.send_response(200)
                 self.send_header("content-type", "text/event-stream")
                 self.send_header("cache-control", "no-cache")
@@ -374,7 +419,7 @@ class ScriptedModelServer:
                     lines = "" if api == "chat" else f"event: {event['type']}\n"
                     self.wfile.write(f"{lines}data: {_wire(event)}\n\n".encode())
                     self.wfile.flush()
-                if api == "chat":
+                if api == "chat" and not events.cut:
                     self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
                 self.close_connection = True

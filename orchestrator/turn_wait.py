@@ -40,6 +40,10 @@ _REMOTE_CANCEL_POLL = 5.0
 # A blocking wait is one slice (it holds a thread); an asyncio wait costs nothing while it lasts.
 BLOCKING_SLICE = _CANCEL_POLL
 ASYNC_SLICE = _CANCEL_POLL * 4
+# A turn without a callback (its calls started one by one while the model's message streamed) ends
+# when the idempotency store holds every result: it looks that often, so the turn ends at most this
+# much after its slowest call (one MGET of the turn's keys per look).
+STORE_POLL = 0.02
 
 
 @dataclass(frozen=True)
@@ -82,15 +86,20 @@ class TurnWait:
         callback_slice: float,
         cancelled: Callable[[bool], bool],
         all_stored: Callable[[], bool],
+        has_callback: bool = True,
     ) -> None:
         """`cancelled(ask_redis)`: whether the turn is known cancelled (reading its flag when asked);
-        `all_stored()`: whether every dispatched call has a stored result (False if unreachable)."""
+        `all_stored()`: whether every dispatched call has a stored result (False if unreachable);
+        `has_callback=False`: no chord callback exists (calls sent one by one), the turn waits on
+        the idempotency store alone, looking every `STORE_POLL` seconds."""
         self.record = record
         self._callback_slice = callback_slice
         self._cancelled = cancelled
         self._all_stored = all_stored
         self._remote_check = _RemoteCancelClock()
         self._callback_failed = False
+        self._store_poll = _CANCEL_POLL if has_callback else STORE_POLL
+        self._has_callback = has_callback
 
     def _slice(self, most: float) -> float:
         # Up to `most`, never past the deadline; never zero: Celery reads a zero timeout as "forever".
@@ -98,10 +107,10 @@ class TurnWait:
 
     def next(self) -> WaitSlice | TurnEnds:
         """What to wait for next, or the end when the callback failed and every result is stored."""
-        if self._callback_failed:
+        if self._callback_failed or not self._has_callback:
             if self._all_stored():
                 return TurnEnds(None)
-            return WaitSlice(self._slice(_CANCEL_POLL), for_callback=False)
+            return WaitSlice(self._slice(self._store_poll), for_callback=False)
         return WaitSlice(self._slice(self._callback_slice), for_callback=True)
 
     def after(self, meta: dict[str, Any] | None) -> TurnEnds | None:
@@ -126,14 +135,15 @@ class TurnWait:
         return None
 
 
-def wait_blocking(wait: TurnWait, callback: AsyncResult) -> TurnEnds:
-    """Step `wait` on this thread, waiting for the chord's callback with Celery's `get`."""
+def wait_blocking(wait: TurnWait, callback: AsyncResult | None) -> TurnEnds:
+    """Step `wait` on this thread, waiting for the chord's callback with Celery's `get` (None: a
+    turn without a callback, `TurnWait(has_callback=False)`)."""
     while True:
         step = wait.next()
         if isinstance(step, TurnEnds):
             return step
         meta: dict[str, Any] | None = None
-        if not step.for_callback:
+        if not step.for_callback or callback is None:
             time.sleep(step.seconds)
         else:
             try:
@@ -152,14 +162,15 @@ def wait_blocking(wait: TurnWait, callback: AsyncResult) -> TurnEnds:
             return end
 
 
-async def wait_async(wait: TurnWait, waiter: ResultWaiter, callback_id: str) -> TurnEnds:
-    """Step `wait` on the event loop, waiting for the chord's callback with `waiter`."""
+async def wait_async(wait: TurnWait, waiter: ResultWaiter | None, callback_id: str | None) -> TurnEnds:
+    """Step `wait` on the event loop, waiting for the chord's callback with `waiter` (None: a turn
+    without a callback, `TurnWait(has_callback=False)`)."""
     while True:
         step = wait.next()
         if isinstance(step, TurnEnds):
             return step
         meta: dict[str, Any] | None = None
-        if step.for_callback:
+        if step.for_callback and waiter is not None and callback_id is not None:
             meta = await waiter.wait(callback_id, step.seconds)
         else:
             await asyncio.sleep(step.seconds)

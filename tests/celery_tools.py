@@ -146,3 +146,22 @@ def nap_inproc(seconds: float) -> str:
     """Sleep in the worker process itself (no sandbox): only Celery's soft limit can stop it."""
     time.sleep(seconds)
     return "rested"
+
+
+def _stamp(key: str, seconds: float) -> float:
+    started = time.time()
+    ledger().rpush(f"tc-test:starts:{key}", started)
+    time.sleep(seconds)
+    return started
+
+
+@tool(sandbox=SANDBOX, side_effect="read", timeout=30)
+def stamp_read(key: str, seconds: float = 0.0) -> float:
+    """Record when the handler started (a list in Redis), then take a while."""
+    return _stamp(key, seconds)
+
+
+@tool(sandbox=SANDBOX, side_effect="unsafe", timeout=30)
+def stamp_unsafe(key: str, seconds: float = 0.0) -> float:
+    """Record when the handler started (a list in Redis), then take a while."""
+    return _stamp(key, seconds)

@@ -27,8 +27,8 @@ from toolchord.worker.tasks import TASK_NAMES
 ROOT = Path(__file__).resolve().parent.parent
 PROVIDER_BRANCH = re.compile(r"""provider\w*\s*(==|!=)\s*["']|provider\w*\s+in\s+\(["']""")
 CLASS_BRANCH = re.compile(r"""(==|!=)\s*["'](read|idempotent|unsafe)["']""")
-# The scripted model server and the demo serve every API on purpose (test and demo tooling).
-PROVIDER_BRANCH_ALLOWED = {"orchestrator/scripted_model.py", "orchestrator/demo.py"}
+# The scripted model server, the demo and the stream bench serve every API on purpose (test, demo and bench tooling).
+PROVIDER_BRANCH_ALLOWED = {"orchestrator/scripted_model.py", "orchestrator/demo.py", "orchestrator/bench/stream.py"}
 
 
 def _sources() -> list[tuple[str, str]]:

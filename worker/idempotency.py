@@ -22,6 +22,7 @@ Each key has up to four records:
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,6 +50,21 @@ def idempotency_key(spec: ToolSpec, session_id: str, call_id: str, arguments: di
         material = f"biz\0{spec.name}\0{spec.idempotency_key(arguments)}"
     else:
         material = f"call\0{session_id}\0{call_id}"
+    return hashlib.sha256(material.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+
+
+def eager_idempotency_key(spec: ToolSpec, session_id: str, scope: str, arguments: dict[str, Any]) -> str:
+    """The key of a call started while its message streamed: the tool's business key when it
+    declares one, else session + `scope` (the model request and the call's occurrence in its
+    message) + name + arguments.
+
+    Not the provider's call id: a retried model request that returns the same call (same name and
+    arguments) gets the same key, so the first run's stored result is reused instead of running again.
+    """
+    if spec.idempotency_key is not None:
+        return idempotency_key(spec, session_id, "", arguments)
+    canonical = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    material = f"eager\0{session_id}\0{scope}\0{spec.name}\0{canonical}"
     return hashlib.sha256(material.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 

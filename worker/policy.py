@@ -31,15 +31,19 @@ class SideEffectPolicy:
     """How many timeouts of the tool a turn's default deadline makes room for (retries included)."""
     read_only: bool
     """The call changes nothing (announced as an MCP read-only hint)."""
+    eager: bool
+    """A call may start while the model's message is still streaming, as soon as its own arguments
+    are complete (docs/agent-loop.md, "Eager dispatch"). When False it waits until the message ended
+    cleanly: a message cut by `max_tokens`, a dropped connection or a refusal never starts it."""
 
 
 SIDE_EFFECT_POLICIES: dict[SideEffect, SideEffectPolicy] = {
     "read": SideEffectPolicy(task_name="toolchord.call.read", repeatable=True, unobserved_is_unknown=False,
-                             deadline_attempts=2, read_only=True),
+                             deadline_attempts=2, read_only=True, eager=True),
     "idempotent": SideEffectPolicy(task_name="toolchord.call.idempotent", repeatable=True,
-                                   unobserved_is_unknown=False, deadline_attempts=2, read_only=False),
+                                   unobserved_is_unknown=False, deadline_attempts=2, read_only=False, eager=True),
     "unsafe": SideEffectPolicy(task_name="toolchord.call.unsafe", repeatable=False, unobserved_is_unknown=True,
-                               deadline_attempts=1, read_only=False),
+                               deadline_attempts=1, read_only=False, eager=False),
 }
 
 _BY_NAME: dict[str, SideEffectPolicy] = {str(name): policy for name, policy in SIDE_EFFECT_POLICIES.items()}

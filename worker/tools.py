@@ -56,6 +56,8 @@ class ToolSpec(BaseModel):
     limits: tuple[Limit, ...] = Field(
         default=(), description="Fleet-wide limits every call of the tool counts against (docs/flow-control.md).")
     priority: PriorityClass = Field(default="interactive", description="Queue priority class of the tool's calls.")
+    eager: bool | None = Field(
+        default=None, description="Start calls while the message still streams; None: the side-effect class decides.")
 
     @property
     def is_async(self) -> bool:
@@ -119,7 +121,7 @@ def tool(
     parameter), the description from the docstring. `policy` takes the ToolSpec fields
     (side_effect, timeout, queue, resource, idempotency_key, cancellable, risk, sandbox,
     max_output_chars, reconcile, transient, max_retries, approval, approval_timeout, limits, priority,
-    ...), and `concurrency`, `rate`, `burst`, `limit_key` as shorthand for a limit of the tool's own.
+    eager, ...), and `concurrency`, `rate`, `burst`, `limit_key` as shorthand for a limit of the tool's own.
     Unknown options are an error.
     """
 

@@ -20,11 +20,12 @@ from toolchord.worker.observability.tracing import set_attributes, span
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _start_attributes(session_id: str, calls: list[Any], turn_id: str | None) -> dict[str, Any]:
+def start_attributes(session_id: str, calls: list[Any], turn_id: str | None) -> dict[str, Any]:
     return {"toolchord.session_id": session_id, "toolchord.turn_id": turn_id, "toolchord.calls": len(calls)}
 
 
-def _finished(current: Any, turn: TurnResult, seconds: float) -> None:
+def finished_turn(current: Any, turn: TurnResult, seconds: float) -> None:
+    """Put the turn's outcome on its span (`current`) and count it in the turn metrics."""
     codes = [r.error.code.value for r in turn.results if r.error is not None]
     set_attributes(current, {
         "toolchord.turn_id": turn.turn_id,
@@ -53,9 +54,9 @@ def observed_turn(method: F) -> F:
         @functools.wraps(method)
         async def run_async(self: Any, session_id: str, calls: list[Any], *args: Any, **kwargs: Any) -> TurnResult:
             started = time.monotonic()
-            with span("toolchord.turn", _start_attributes(session_id, calls, kwargs.get("turn_id"))) as current:
+            with span("toolchord.turn", start_attributes(session_id, calls, kwargs.get("turn_id"))) as current:
                 turn = await method(self, session_id, calls, *args, **kwargs)
-                _finished(current, turn, time.monotonic() - started)
+                finished_turn(current, turn, time.monotonic() - started)
             return turn
 
         return run_async  # type: ignore[return-value]
@@ -63,12 +64,12 @@ def observed_turn(method: F) -> F:
     @functools.wraps(method)
     def run(self: Any, session_id: str, calls: list[Any], *args: Any, **kwargs: Any) -> TurnResult:
         started = time.monotonic()
-        with span("toolchord.turn", _start_attributes(session_id, calls, kwargs.get("turn_id"))) as current:
+        with span("toolchord.turn", start_attributes(session_id, calls, kwargs.get("turn_id"))) as current:
             turn = method(self, session_id, calls, *args, **kwargs)
-            _finished(current, turn, time.monotonic() - started)
+            finished_turn(current, turn, time.monotonic() - started)
         return turn
 
     return run  # type: ignore[return-value]
 
 
-__all__ = ["observed_turn"]
+__all__ = ["finished_turn", "observed_turn", "start_attributes"]

@@ -319,6 +319,10 @@ class AnthropicStreamAccumulator:
                 draft.finalize()
         return self._hand_out(final=True)
 
+    def ended_cleanly(self) -> bool:
+        """Whether the model finished the message itself (not cut by `max_tokens`, a refusal or the connection)."""
+        return self._message.get("stop_reason") in ("tool_use", "end_turn", "stop_sequence")
+
     def assistant_output(self) -> dict[str, Any]:
         """The assembled message as a dict with a "content" list (what `parse_calls` accepts)."""
         self._deltas.flush()

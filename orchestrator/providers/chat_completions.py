@@ -219,8 +219,11 @@ class ChatStreamAccumulator:
     of the arguments. Fragments may interleave across calls and indices may start out of order. A
     new id at an index already in use starts another call there (OpenAI-compatible proxies stream
     parallel calls all at index 0); calls at one index keep the order they started in.
-    A chat stream does not mark a single call as finished, so every call completes together when
-    `finish_reason` is set or the stream ends (`finish`), in index order.
+    A chat stream does not mark a single call as finished. Models stream calls one after another,
+    so a call is handed out early when the next call starts and its arguments so far are a JSON
+    object (looked at once, then); the others complete together when `finish_reason` is set or the
+    stream ends (`finish`), in index order. A fragment that still arrives for a call handed out
+    early (a proxy interleaving calls) amends it: `finish` returns its final form again.
     """
 
     def __init__(self) -> None:
@@ -235,6 +238,10 @@ class ChatStreamAccumulator:
         self._refusal: list[str] = []
         self._extra = DeltaFields()
         self._completed = False
+        self._finish_reason: str | None = None
+        # Drafts not yet looked at for an early hand-out, and the calls handed out early (by id).
+        self._unchecked: list[tuple[int, int]] = []
+        self._handed: dict[str, ToolCall] = {}
 
     def feed(self, event: Any) -> list[ToolCall]:
         """Apply one chunk; returns all calls when this chunk carries the finish_reason."""
@@ -243,14 +250,21 @@ class ChatStreamAccumulator:
             choice = as_mapping(choice, "chunk choice")
             if choice.get("index", 0) != 0:
                 continue  # like parse_calls, only the first choice is the assistant turn
-            self._apply_delta(as_mapping(choice.get("delta") or {}, "chunk delta"))
+            early = self._apply_delta(as_mapping(choice.get("delta") or {}, "chunk delta"))
             if choice.get("finish_reason") is not None:
-                return self._complete()
+                self._finish_reason = str(choice["finish_reason"])
+                return early + self._complete()
+            if early:
+                return early
         return []
 
     def finish(self) -> list[ToolCall]:
         """End of stream: every call not yet returned, in index order."""
         return self._complete()
+
+    def ended_cleanly(self) -> bool:
+        """Whether the model finished the message itself (not cut by a length limit, a filter or the connection)."""
+        return self._finish_reason in ("tool_calls", "stop")
 
     def assistant_output(self) -> dict[str, Any]:
         """The assembled assistant message as a dict (what `parse_calls` accepts)."""
@@ -262,7 +276,7 @@ class ChatStreamAccumulator:
             message["tool_calls"] = [self._drafts[key].as_tool_call_dict() for key in sorted(self._drafts)]
         return message
 
-    def _apply_delta(self, delta: dict[str, Any]) -> None:
+    def _apply_delta(self, delta: dict[str, Any]) -> list[ToolCall]:
         if isinstance(delta.get("content"), str):
             self._content.append(delta["content"])
         if isinstance(delta.get("refusal"), str):
@@ -270,13 +284,17 @@ class ChatStreamAccumulator:
         if delta.get("function_call") is not None:
             raise ProviderFormatError("legacy 'function_call' is not supported; declare tools instead of functions")
         self._extra.add(delta, _INTERPRETED_DELTA_FIELDS)
+        early: list[ToolCall] = []
         for fragment in as_list(delta.get("tool_calls"), "delta.tool_calls"):
-            self._apply_fragment(as_mapping(fragment, "tool call fragment"))
+            early.extend(self._apply_fragment(as_mapping(fragment, "tool call fragment")))
+        return early
 
-    def _apply_fragment(self, fragment: dict[str, Any]) -> None:
+    def _apply_fragment(self, fragment: dict[str, Any]) -> list[ToolCall]:
         if self._completed:
             raise ProviderFormatError("tool call fragment after the message finished")
+        drafts = len(self._drafts)
         draft = self._draft_for(fragment)
+        early = self._superseded() if len(self._drafts) > drafts else []
         fragment_id = fragment.get("id")
         if fragment_id:
             draft.id = fragment_id
@@ -291,6 +309,24 @@ class ChatStreamAccumulator:
             draft.argument_parts.append(arguments)
         draft.extra.add(fragment, _INTERPRETED_FRAGMENT_FIELDS)
         draft.function_extra.add(function, _INTERPRETED_FUNCTION_FIELDS)
+        return early
+
+    def _superseded(self) -> list[ToolCall]:
+        """A new call started: the earlier ones not yet looked at whose arguments are a JSON object
+        are complete (each draft is looked at once, so assembling stays linear)."""
+        newest = max(self._drafts, key=lambda key: key[1])
+        order = {key: position for position, key in enumerate(sorted(self._drafts))}
+        early: list[ToolCall] = []
+        for key in self._unchecked:
+            draft = self._drafts[key]
+            if draft.id is None or draft.name is None or draft.id in self._handed:
+                continue
+            call = _read_call(draft.as_tool_call_dict(), order[key])
+            if call.arguments is not None:
+                self._handed[call.id] = call
+                early.append(call)
+        self._unchecked = [newest]
+        return early
 
     def _draft_for(self, fragment: dict[str, Any]) -> _CallDraft:
         index = fragment.get("index")
@@ -319,4 +355,5 @@ class ChatStreamAccumulator:
         if self._completed:
             return []
         self._completed = True
-        return _read_calls(self.assistant_output())
+        # Calls handed out early come again only when later fragments changed them.
+        return [call for call in _read_calls(self.assistant_output()) if self._handed.get(call.id) != call]

@@ -53,6 +53,11 @@ class StreamAccumulator(Protocol):
         """The assembled assistant output (text and calls), in the shape `parse_calls` accepts."""
         ...
 
+    def ended_cleanly(self) -> bool:
+        """Whether the model ended the message itself: not cut by a token limit, a refusal or a
+        dropped connection (eager dispatch starts `unsafe` calls only after a clean end)."""
+        ...
+
 
 @runtime_checkable
 class ProviderAdapter(Protocol):

@@ -247,6 +247,10 @@ class ResponsesStreamAccumulator:
                 self._mark_done(index)
         return self._hand_out(final=True)
 
+    def ended_cleanly(self) -> bool:
+        """Whether the response completed (not `incomplete`, `failed` or cut with the connection)."""
+        return self._response.get("status") == "completed"
+
     def assistant_output(self) -> dict[str, Any]:
         """The assembled response as a dict with an "output" list (what `parse_calls` accepts)."""
         self._deltas.flush()
