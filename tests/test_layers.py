@@ -154,3 +154,14 @@ def test_the_approval_desk_does_not_know_the_orchestrator() -> None:
     tree = ast.parse((PACKAGE / "orchestrator" / "approvals.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "toolchord.orchestrator.runtime" not in imported
+
+
+def test_tools_and_the_zygote_load_no_redis_client() -> None:
+    """Tool modules (`tool`, `Limit`) and the sandbox zygote import no redis-py: the zygote runs
+    under interpreters that may lack its dependencies, and every module it holds is forked per call."""
+    code = (
+        "import sys, toolchord.worker.tools, toolchord.worker.limits, toolchord.worker.sandbox.zygote_server;"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'redis'))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -13,12 +13,15 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-import redis
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from toolchord.worker.store_errors import store_operation
+
+if TYPE_CHECKING:
+    # Tools import this module, and so does the sandbox zygote, which has no use for redis-py.
+    import redis
 
 PREFIX = "toolchord:limit:"
 _UNITS = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0,

@@ -8,10 +8,9 @@ its cause; callers catch this one type and never the client library's.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
-
-import redis
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -28,10 +27,20 @@ def store_operation(method: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return method(*args, **kwargs)
-        except redis.RedisError as exc:
-            raise StoreUnavailable(f"{method.__qualname__}: {exc}") from exc
+        except Exception as exc:
+            if _is_redis_error(exc):
+                raise StoreUnavailable(f"{method.__qualname__}: {exc}") from exc
+            raise
 
     return wrapper
+
+
+def _is_redis_error(exc: Exception) -> bool:
+    # redis-py is not imported here: tool modules reach this module through `Limit`, and the
+    # sandbox zygote that imports them has no use for it. An error of redis-py's can only
+    # exist once redis-py was imported by someone.
+    redis = sys.modules.get("redis")
+    return redis is not None and isinstance(exc, redis.RedisError)
 
 
 __all__ = ["StoreUnavailable", "store_operation"]
