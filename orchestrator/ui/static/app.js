@@ -84,7 +84,7 @@ function callRow(call, start, span, now) {
     el("span", { title: "attempts" }, call.attempts ? "×" + call.attempts : ""),
     el("span", { class: "mono", title: call.worker || "" }, short(call.worker, 18)),
     el("span", { class: "code code-" + state, title: call.late_code ? `late result: ${call.late_code}` : shown },
-      short(shown, 20)));
+      short(shown, 32)));
   const key = call.key ? `key ${call.key}` : "no key";
   const waited = call.waiting_for ? ` · waited for limit ${call.waiting_for} since ${clock(call.waiting_since)}` : "";
   const title = `${call.tool} ${call.call_id} · ${shown} · ${key} · attempts ${call.attempts || 0} · ` +
