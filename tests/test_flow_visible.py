@@ -68,7 +68,12 @@ def test_an_agent_s_turns_carry_its_tenant_to_the_limit_keys() -> None:
     from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
 
     seen: list[str | None] = []
-    limit = Limit(name="seen", concurrency=4, key=lambda args, ctx: seen.append(ctx.tenant) or ctx.tenant)
+
+    def tenant_of(args: dict[str, Any], ctx: LimitContext) -> str | None:
+        seen.append(ctx.tenant)
+        return ctx.tenant
+
+    limit = Limit(name="seen", concurrency=4, key=tenant_of)
 
     @tool(side_effect="read", limits=limit, sandbox={"isolate": False})
     def look(x: int) -> int:

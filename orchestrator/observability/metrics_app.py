@@ -10,7 +10,7 @@ from toolchord.worker.worker_runtime import queues_of
 
 
 def _registry(orchestrator: Any | None) -> Any:
-    extra = []
+    extra: list[Any] = []
     if orchestrator is not None:
         runtime = orchestrator.runtime
         queues = [runtime.queue(name) for name in queues_of(orchestrator.registry, runtime.settings)]
