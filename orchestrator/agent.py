@@ -213,7 +213,8 @@ class Agent:
         # Scoped by the request's digest: a retry of this request (same log, same bytes) maps the
         # same calls to the same keys, so what already ran is reused.
         return self.orchestrator.streaming_turn(recorder.session_id, turn_id=turn_id, provider=self.provider,
-                                                scope=request_digest(request), on_sent=sent)
+                                                scope=request_digest(request), on_sent=sent, tenant=self.tenant,
+                                                priority=self.priority)
 
     def _message_failed(self, recorder: SessionRecorder, streaming: StreamingTurn, exc: ModelError) -> None:
         """The stream broke: nothing else starts, its model output is never written (the calls

@@ -293,12 +293,15 @@ class Orchestrator:
 
     def streaming_turn(self, session_id: str, *, turn_id: str | None = None, provider: Provider = "chat",
                        scope: str | None = None, eager: bool = True,
-                       on_sent: Callable[[ToolCall], None] | None = None) -> StreamingTurn:
+                       on_sent: Callable[[ToolCall], None] | None = None, tenant: str | None = None,
+                       priority: PriorityClass | None = None) -> StreamingTurn:
         """A turn fed call by call while the model streams (`add`, `end`, `wait`): calls that may
         start early start at once (docs/agent-loop.md, "Eager dispatch"). `scope` names the model
-        request (its retry must give the same scope to reuse results); default: the turn id."""
+        request (its retry must give the same scope to reuse results); default: the turn id.
+        `tenant` and `priority` override the orchestrator's defaults for this turn."""
         turn_id = turn_id or uuid.uuid4().hex
-        return StreamingTurn(self, session_id, turn_id, provider, scope=scope or turn_id, eager=eager, on_sent=on_sent)
+        return StreamingTurn(self, session_id, turn_id, provider, scope=scope or turn_id, eager=eager, on_sent=on_sent,
+                             tenant=tenant, priority=priority)
 
     def run_stream(
         self, session_id: str, calls: Iterable[ToolCall], *, provider: Provider = "chat", turn_id: str | None = None,

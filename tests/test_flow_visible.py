@@ -63,7 +63,8 @@ def test_two_turns_of_one_orchestrator_count_against_their_own_tenants_buckets(
         assert [r.status for r in box["value"].results] == ["ok"]
 
 
-def test_an_agent_s_turns_carry_its_tenant_to_the_limit_keys() -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed-eager"])
+def test_an_agent_s_turns_carry_its_tenant_to_the_limit_keys(stream: bool) -> None:
     from toolchord.orchestrator.agent import Agent
     from toolchord.testing import ScriptedCall, ScriptedModelServer, ScriptedTurn
 
@@ -84,7 +85,7 @@ def test_an_agent_s_turns_carry_its_tenant_to_the_limit_keys() -> None:
     orch = Orchestrator(Registry([look]), tenant="default")
     with ScriptedModelServer(script, model="scripted") as model:
         agent = Agent(Registry([look]), model="scripted", base_url=model.base_url + "/v1", api_key="test",
-                      orchestrator=orch, tenant="acme")
+                      orchestrator=orch, tenant="acme", stream=stream)
         assert agent.run("look").stop_reason == "final"
     assert seen == ["acme"]
 
