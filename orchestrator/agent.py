@@ -47,6 +47,7 @@ from toolchord.orchestrator.session_lease import session_lease
 from toolchord.orchestrator.stores import open_event_log
 from toolchord.worker.models import ToolCall, ToolResult
 from toolchord.worker.registry import Provider, Registry
+from toolchord.worker.tools import PriorityClass
 
 if TYPE_CHECKING:
     from toolchord.orchestrator.runtime import Orchestrator
@@ -86,7 +87,8 @@ class Agent:
 
     `orchestrator=None` builds an embedded Orchestrator from `registry` (closed by `close`).
     `client` defaults to the official SDK for `provider` at `base_url`; model errors (rate limits,
-    5xx) are retried by the SDK (`max_retries`) and then raise `ModelError`.
+    5xx) are retried by the SDK (`max_retries`) and then raise `ModelError`. `tenant` and
+    `priority` set its turns' tenant and priority class over the orchestrator's (docs/flow-control.md).
     """
 
     def __init__(
@@ -107,6 +109,8 @@ class Agent:
         max_retries: int = 2,
         request_options: dict[str, Any] | None = None,
         on_step: Callable[[AgentStep], None] | None = None,
+        tenant: str | None = None,
+        priority: PriorityClass | None = None,
     ) -> None:
         self.registry = registry
         self.model = model
@@ -129,6 +133,9 @@ class Agent:
         self.eager = eager
         self.request_options = dict(request_options or {})
         self.on_step = on_step
+        # This agent's turns' tenant and priority class (None: the orchestrator's defaults).
+        self.tenant = tenant
+        self.priority: PriorityClass | None = priority
         # Built once: every run declares the same tools (the orchestrator copied the registry too).
         self._declared = declarations_from_registry(registry)
         self._tools_digest = tools_digest(self._declared)
@@ -206,7 +213,8 @@ class Agent:
         # Scoped by the request's digest: a retry of this request (same log, same bytes) maps the
         # same calls to the same keys, so what already ran is reused.
         return self.orchestrator.streaming_turn(recorder.session_id, turn_id=turn_id, provider=self.provider,
-                                                scope=request_digest(request), on_sent=sent)
+                                                scope=request_digest(request), on_sent=sent, tenant=self.tenant,
+                                                priority=self.priority)
 
     def _message_failed(self, recorder: SessionRecorder, streaming: StreamingTurn, exc: ModelError) -> None:
         """The stream broke: nothing else starts, its model output is never written (the calls
@@ -272,7 +280,8 @@ class Agent:
                 self._failed(recorder, exc)
                 raise
             turn_id, text, calls = self._record_output(recorder, reply)
-            turn = (self.orchestrator.run_calls(recorder.session_id, calls, turn_id=turn_id, provider=self.provider)
+            turn = (self.orchestrator.run_calls(recorder.session_id, calls, turn_id=turn_id, provider=self.provider,
+                                                tenant=self.tenant, priority=self.priority)
                     if calls else None)
             steps.append(self._record_turn(recorder, step, turn_id, text, calls, turn))
             if (done := self._stop(recorder, steps, turn)) is not None:
@@ -305,7 +314,8 @@ class Agent:
                 raise
             turn_id, text, calls = self._record_output(recorder, reply)
             turn = (await self.orchestrator.arun_calls(recorder.session_id, calls, turn_id=turn_id,
-                                                       provider=self.provider)
+                                                       provider=self.provider, tenant=self.tenant,
+                                                       priority=self.priority)
                     if calls else None)
             steps.append(self._record_turn(recorder, step, turn_id, text, calls, turn))
             if (done := self._stop(recorder, steps, turn)) is not None:

@@ -1,7 +1,7 @@
 """The `toolchord` command line (console script `toolchord = toolchord.orchestrator.cli:main`).
 
-Subcommands: worker, flower (Celery processes, see toolchord.worker.launch), demo, run, replay, tools, ui, bench,
-mcp serve (needs the `mcp` extra), approvals (list|approve|deny).
+Subcommands: worker, flower (Celery processes, see toolchord.worker.launch), demo, run, replay, tools, limits, ui,
+bench, mcp serve (needs the `mcp` extra), approvals (list|approve|deny).
 `worker`, `flower` and `bench` hand their arguments on untouched: their own parsers (and Celery's)
 own those options.
 """
@@ -84,6 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     tools = sub.add_parser("tools", help="print the tool declarations for a provider")
     tools.add_argument("--provider", choices=PROVIDERS, default="chat")
     tools.add_argument("--tools", help="comma-separated tool modules (default: $TOOLCHORD_TOOL_MODULES or the demo tools)")
+
+    limits = sub.add_parser("limits", help="the fleet-wide limits the tools declare and their use now (from Redis)")
+    limits.add_argument("--tools", help="comma-separated tool modules (default: $TOOLCHORD_TOOL_MODULES or the demo tools)")
+    limits.add_argument("--redis-url", help="Redis holding the limits (default: the configured one)")
+    limits.add_argument("--json", action="store_true", help="one JSON object per line")
 
     mcp = sub.add_parser("mcp", help="Model Context Protocol: `toolchord mcp serve` exposes the tools as an MCP server")
     mcp_sub = mcp.add_subparsers(dest="mcp_command", metavar="MCP_COMMAND", required=True)
@@ -242,6 +247,42 @@ def _tools(args: argparse.Namespace) -> int:
     return 0
 
 
+def _limits(args: argparse.Namespace) -> int:
+    from toolchord.worker.config import ConfigError, Settings
+    from toolchord.worker.limits import RedisLimiter, declared_limits
+    from toolchord.worker.redis_clients import redis_client
+    from toolchord.worker.store_errors import StoreUnavailable
+
+    try:
+        redis_url = args.redis_url or Settings.from_env().redis_url
+    except ConfigError as exc:
+        print(f"toolchord limits: {exc}", file=sys.stderr)
+        return 2
+    if not redis_url:
+        # Embedded, each process is its own fleet: there is nothing shared to read.
+        print("toolchord limits: set TOOLCHORD_REDIS_URL or --redis-url (the limits' state lives in Redis)",
+              file=sys.stderr)
+        return 2
+    declared = declared_limits(_registry(args.tools))
+    client = redis_client(redis_url, master_name=os.environ.get("TOOLCHORD_REDIS_MASTER_NAME"))
+    try:
+        usage = {u.name: u for u in RedisLimiter(client).usage(list(declared))}
+    except StoreUnavailable as exc:
+        print(f"toolchord limits: {exc}", file=sys.stderr)
+        return 1
+    for name, (limit, tools) in declared.items():
+        row = {"limit": name, "in_use": usage[name].in_use, "concurrency": limit.concurrency,
+               "waiting": usage[name].waiting, "rate": limit.rate, "burst": limit.burst,
+               "per_key": limit.key is not None, "tools": tools}
+        if args.json:
+            print(json.dumps(row))
+            continue
+        rate = f"{limit.rate} (burst {limit.burst})" if limit.rate else "-"
+        print(f"{name}: in flight {usage[name].in_use}/{limit.concurrency or '-'}, waiting {usage[name].waiting}, "
+              f"rate {rate}{', per key' if limit.key else ''}; tools: {', '.join(tools)}")
+    return 0
+
+
 def _mcp(args: argparse.Namespace) -> int:
     from toolchord.orchestrator.integrations.mcp_serve import RegistryMcpServer
     from toolchord.orchestrator.runtime import Orchestrator
@@ -282,8 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in _PASSTHROUGH:
         sys.exit(_passthrough(argv[0], argv[1:]))
     args = _parser().parse_args(argv)
-    handler = {"demo": _demo, "run": _run, "replay": _replay, "tools": _tools, "ui": _ui, "mcp": _mcp,
-               "approvals": _approvals}[args.command]
+    handler = {"demo": _demo, "run": _run, "replay": _replay, "tools": _tools, "limits": _limits, "ui": _ui,
+               "mcp": _mcp, "approvals": _approvals}[args.command]
     sys.exit(handler(args))
 
 

@@ -114,16 +114,19 @@ class Orchestrator:
     # -- planning -----------------------------------------------------------------------------
 
     def plan(self, session_id: str, turn_id: str, calls: list[ToolCall], provider: Provider,
-             sent: dict[str, DispatchedCall] | None = None) -> TurnRecord:
+             sent: dict[str, DispatchedCall] | None = None, *,
+             tenant: str | None = None, priority: PriorityClass | None = None) -> TurnRecord:
         """Check every call and group the valid ones: one chain per shared resource, in model order.
 
         Only the first `max_calls_per_turn` calls (model order) are checked and may run; each call
         past the cap gets a NOT_EXECUTED result without being read. `sent`: calls already sent
-        while the message streamed (eager dispatch), kept as they were planned.
+        while the message streamed (eager dispatch), kept as they were planned. `tenant` and
+        `priority` override the orchestrator's defaults for this turn.
         """
         return plan_turn(session_id, turn_id, calls, provider, registry=self.registry, settings=self.runtime.settings,
                          permission_hook=self.permission_hook, turn_timeout=self.turn_timeout,
-                         tenant=self.tenant, priority=self.priority, sent=sent)
+                         tenant=tenant if tenant is not None else self.tenant, priority=priority or self.priority,
+                         sent=sent)
 
     # -- finishing ----------------------------------------------------------------------------
 
@@ -199,7 +202,8 @@ class Orchestrator:
     # -- running ------------------------------------------------------------------------------
 
     def _start(
-        self, session_id: str, calls: list[ToolCall], provider: Provider, turn_id: str | None
+        self, session_id: str, calls: list[ToolCall], provider: Provider, turn_id: str | None, *,
+        tenant: str | None = None, priority: PriorityClass | None = None,
     ) -> TurnResult | tuple[TurnRecord, str]:
         """Plan and dispatch the turn (or find it): a finished TurnResult, or the record and callback id."""
         turn_id = turn_id or digest(session_id, *(c.id for c in calls))
@@ -208,7 +212,7 @@ class Orchestrator:
             return found
         record = found
         if record is None:
-            record = self.plan(session_id, turn_id, calls, provider)
+            record = self.plan(session_id, turn_id, calls, provider, tenant=tenant, priority=priority)
             self.turns.save(record)
         # Idempotent: a turn resumed after a crash between the two writes still records its held calls.
         self.approvals.request(record)
@@ -289,12 +293,15 @@ class Orchestrator:
 
     def streaming_turn(self, session_id: str, *, turn_id: str | None = None, provider: Provider = "chat",
                        scope: str | None = None, eager: bool = True,
-                       on_sent: Callable[[ToolCall], None] | None = None) -> StreamingTurn:
+                       on_sent: Callable[[ToolCall], None] | None = None, tenant: str | None = None,
+                       priority: PriorityClass | None = None) -> StreamingTurn:
         """A turn fed call by call while the model streams (`add`, `end`, `wait`): calls that may
         start early start at once (docs/agent-loop.md, "Eager dispatch"). `scope` names the model
-        request (its retry must give the same scope to reuse results); default: the turn id."""
+        request (its retry must give the same scope to reuse results); default: the turn id.
+        `tenant` and `priority` override the orchestrator's defaults for this turn."""
         turn_id = turn_id or uuid.uuid4().hex
-        return StreamingTurn(self, session_id, turn_id, provider, scope=scope or turn_id, eager=eager, on_sent=on_sent)
+        return StreamingTurn(self, session_id, turn_id, provider, scope=scope or turn_id, eager=eager, on_sent=on_sent,
+                             tenant=tenant, priority=priority)
 
     def run_stream(
         self, session_id: str, calls: Iterable[ToolCall], *, provider: Provider = "chat", turn_id: str | None = None,
@@ -327,10 +334,14 @@ class Orchestrator:
 
     @observed_turn
     def run_calls(
-        self, session_id: str, calls: list[ToolCall], *, turn_id: str | None = None, provider: Provider = "chat"
+        self, session_id: str, calls: list[ToolCall], *, turn_id: str | None = None, provider: Provider = "chat",
+        tenant: str | None = None, priority: PriorityClass | None = None,
     ) -> TurnResult:
-        """Run already-parsed calls as one turn and wait (blocking) for exactly one result each."""
-        started = self._start(session_id, calls, provider, turn_id)
+        """Run already-parsed calls as one turn and wait (blocking) for exactly one result each.
+
+        `tenant` and `priority` override the orchestrator's defaults for this turn (docs/flow-control.md).
+        """
+        started = self._start(session_id, calls, provider, turn_id, tenant=tenant, priority=priority)
         if isinstance(started, TurnResult):
             return started
         record, body_id = started
@@ -338,11 +349,12 @@ class Orchestrator:
         return self._finish(record, end.collected, end.reason)
 
     def run_turn(
-        self, session_id: str, assistant_output: Any, provider: Provider = "chat", *, turn_id: str | None = None
+        self, session_id: str, assistant_output: Any, provider: Provider = "chat", *, turn_id: str | None = None,
+        tenant: str | None = None, priority: PriorityClass | None = None,
     ) -> TurnResult:
         """Parse the model's assistant output for `provider` and run its tool calls as one turn."""
         calls = get_adapter(provider).parse_calls(assistant_output)
-        return self.run_calls(session_id, calls, turn_id=turn_id, provider=provider)
+        return self.run_calls(session_id, calls, turn_id=turn_id, provider=provider, tenant=tenant, priority=priority)
 
     def _waiter(self) -> ResultWaiter:
         loop = asyncio.get_running_loop()
@@ -359,10 +371,11 @@ class Orchestrator:
 
     @observed_turn
     async def arun_calls(
-        self, session_id: str, calls: list[ToolCall], *, turn_id: str | None = None, provider: Provider = "chat"
+        self, session_id: str, calls: list[ToolCall], *, turn_id: str | None = None, provider: Provider = "chat",
+        tenant: str | None = None, priority: PriorityClass | None = None,
     ) -> TurnResult:
         """Async twin of `run_calls`: waits on the event loop, no thread per waiting turn."""
-        started = self._start(session_id, calls, provider, turn_id)
+        started = self._start(session_id, calls, provider, turn_id, tenant=tenant, priority=priority)
         if isinstance(started, TurnResult):
             return started
         record, body_id = started
@@ -376,11 +389,13 @@ class Orchestrator:
         return self._finish(record, end.collected, end.reason)
 
     async def arun_turn(
-        self, session_id: str, assistant_output: Any, provider: Provider = "chat", *, turn_id: str | None = None
+        self, session_id: str, assistant_output: Any, provider: Provider = "chat", *, turn_id: str | None = None,
+        tenant: str | None = None, priority: PriorityClass | None = None,
     ) -> TurnResult:
         """Async twin of `run_turn`."""
         calls = get_adapter(provider).parse_calls(assistant_output)
-        return await self.arun_calls(session_id, calls, turn_id=turn_id, provider=provider)
+        return await self.arun_calls(session_id, calls, turn_id=turn_id, provider=provider, tenant=tenant,
+                                     priority=priority)
 
     def resume(self, session_id: str) -> TurnResult | None:
         """Finish the session's unfinished turn after a restart (None when there is none).

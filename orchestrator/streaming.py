@@ -37,7 +37,7 @@ from toolchord.worker.models import ToolCall, ToolResult
 from toolchord.worker.observability.tracing import span
 from toolchord.worker.policy import policy_of
 from toolchord.worker.registry import Provider
-from toolchord.worker.tools import ToolSpec
+from toolchord.worker.tools import PriorityClass, ToolSpec
 
 if TYPE_CHECKING:
     from toolchord.orchestrator.runtime import Orchestrator
@@ -55,12 +55,15 @@ class StreamingTurn:
     `end` the message (its final calls, or None when it never completed), then `wait`/`await_`."""
 
     def __init__(self, orchestrator: Orchestrator, session_id: str, turn_id: str, provider: Provider, *,
-                 scope: str, eager: bool = True, on_sent: Callable[[ToolCall], None] | None = None) -> None:
+                 scope: str, eager: bool = True, on_sent: Callable[[ToolCall], None] | None = None,
+                 tenant: str | None = None, priority: PriorityClass | None = None) -> None:
         """`scope` names the model request the message answers (the same on a retry of that request:
-        the Agent passes the request's digest); `on_sent` hears each call sent before the end."""
+        the Agent passes the request's digest); `on_sent` hears each call sent before the end;
+        `tenant` and `priority` override the orchestrator's for this turn."""
         self._orc = orchestrator
         self._stub = TurnRecord(session_id=session_id, turn_id=turn_id, provider=provider, calls=[],
-                                deadline=time.time(), tenant=orchestrator.tenant, priority=orchestrator.priority)
+                                deadline=time.time(), tenant=tenant if tenant is not None else orchestrator.tenant,
+                                priority=priority or orchestrator.priority)
         self._scope = scope
         self._eager = eager
         self._on_sent = on_sent
@@ -133,7 +136,8 @@ class StreamingTurn:
             orc.unwatch(self._stub)
             self._trace.close()
             return
-        record = orc.plan(self._stub.session_id, self.turn_id, calls, self._stub.provider, sent=self._sent)
+        record = orc.plan(self._stub.session_id, self.turn_id, calls, self._stub.provider, sent=self._sent,
+                          tenant=self._stub.tenant, priority=self._stub.priority)
         record.deadline = max([record.deadline, *self._deadlines])
         self._record = record
         try:

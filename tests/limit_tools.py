@@ -60,3 +60,18 @@ def pay(n: int) -> int:
     """Record when the call started (the payments API allows 20/s, 5 at once)."""
     ledger().rpush("tc-test:payments:starts", repr(time.time()))
     return n
+
+
+# One call at a time per tenant: the flow-visibility tests hold a lane and watch the next call wait.
+LANE = Limit(name="tc-test-lane", concurrency=1, key=lambda args, ctx: ctx.tenant)
+
+
+@tool(sandbox=IN_PROCESS, side_effect="read", limits=LANE, timeout=60)
+def lane_call(n: int, seconds: float = 40) -> int:
+    """Hold the caller's lane while `tc-test:lane:hold` exists (at most `seconds`); record the start."""
+    client = ledger()
+    client.sadd("tc-test:lane:started", n)
+    until = time.time() + seconds
+    while time.time() < until and client.exists("tc-test:lane:hold"):
+        time.sleep(0.05)
+    return n

@@ -11,6 +11,7 @@ import base64
 import os
 import shutil
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -200,3 +201,50 @@ def test_a_call_that_outlives_its_turn_ends_where_the_model_got_its_answer(start
     assert (bar.phase, bar.code) == ("done", "TIMEOUT")
     assert bar.finished_at is not None and bar.started_at is not None
     assert bar.finished_at - bar.started_at >= 2.5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_call_waiting_for_its_limit_is_drawn_as_waiting_with_the_limit_s_name(
+        start_worker, redis_url, clean_redis, tmp_path: Path, browser_page) -> None:
+    """The screenshot lands in the test's directory (and at $TC_UI_WAITING_SCREENSHOT when set:
+    docs/ui-timeline-waiting.png)."""
+    from tests.cluster_helpers import wait_for
+    from tests.test_flow_visible import one_holds_one_waits
+    from toolchord.orchestrator.ui import session_view
+
+    start_worker("tests.limit_tools", concurrency=4, name="lane-worker")
+    log = RedisEventLog(redis_url)
+    server = TimelineServer(log, clean_redis, port=0)
+    server.start()
+    page = browser_page
+    try:
+        with one_holds_one_waits(redis_url, clean_redis, "ui-lane"):
+            page.goto(server.url + "#ui-lane")
+            label = page.locator("section.turn .label .code-waiting")
+            label.wait_for(timeout=30_000)
+            assert label.inner_text() == "waiting: tc-test-lane"
+            waiting = page.locator("section.turn .track .bar.seg-waiting")
+            assert waiting.count() == 1
+            assert (waiting.get_attribute("title") or "").startswith("waiting for limit tc-test-lane")
+            assert page.locator(".legend i.seg-waiting").count() == 1
+            # Long enough to show as a segment beside the running call.
+            wait_for(lambda: any(time.time() - (bar.waiting_since or time.time()) > 2.0
+                                 for bar in session_view(log, "ui-lane", clean_redis).turns[0].calls),
+                     15, "two seconds of waiting")
+            # Drawn live after those two seconds: one call running, the other waiting, named.
+            page.wait_for_function(f"() => Number(document.body.dataset.updated) > {time.time() * 1000}",
+                                   timeout=10_000)
+            shot = tmp_path / "ui-timeline-waiting.png"
+            page.screenshot(path=str(shot), full_page=True)
+            if os.environ.get("TC_UI_WAITING_SCREENSHOT"):
+                shutil.copy(shot, os.environ["TC_UI_WAITING_SCREENSHOT"])
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('section.turn .label .code')].filter("
+            "e => e.textContent === 'ok').length === 2", timeout=30_000)
+        # Admitted and done, it keeps its waiting segment before its run, and its row names the limit.
+        assert page.locator("section.turn .track .bar.seg-waiting").count() == 1
+        titles = page.locator("section.turn .label").evaluate_all("rows => rows.map(r => r.title)")
+        assert sum("waited for limit tc-test-lane" in title for title in titles) == 1, titles
+    finally:
+        server.stop()

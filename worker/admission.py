@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 from toolchord.worker.limits import Bucket, LimitContext, Limiter, buckets_for
+from toolchord.worker.observability.metrics import metrics
 from toolchord.worker.payloads import CallPayload
 from toolchord.worker.tools import ToolSpec
 
@@ -69,6 +70,8 @@ def admitted(limiter: Limiter, renewer: Any, spec: ToolSpec, payload: CallPayloa
         since = payload.waiting_since or now
         countdown = wait_countdown(payload.waits, admission.retry_after, visibility_timeout)
         limit = next(b.limit for b in buckets if b.limit.name == admission.limit)
+        if (m := metrics()) is not None:
+            m.limit_refusals.labels(limit.name).inc()
         if now + countdown >= payload.deadline:
             limiter.release(buckets, holder)
             yield Refusal(
@@ -76,7 +79,7 @@ def admitted(limiter: Limiter, renewer: Any, spec: ToolSpec, payload: CallPayloa
                 "and could not start before the turn's deadline"
             )
             return
-        update = {"waits": payload.waits + 1, "waiting_since": since}
+        update = {"waits": payload.waits + 1, "waiting_since": since, "waiting_for": limit.name}
         raise WaitForLimit(countdown, limit.name, payload.model_copy(update=update).model_dump(mode="json"))
     try:
         with renewer.keep(f"limits:{holder}", lambda: limiter.renew(buckets, holder, renewer.lease)):

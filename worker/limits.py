@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -125,6 +125,25 @@ class Usage(NamedTuple):
     name: str
     in_use: int
     waiting: int
+
+
+class LimitedTool(Protocol):
+    """A tool as far as its limits go (a ToolSpec)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def limits(self) -> tuple[Limit, ...]: ...
+
+
+def declared_limits(tools: Iterable[LimitedTool]) -> dict[str, tuple[Limit, list[str]]]:
+    """Every limit the tools declare, by name (sorted), with the tools that count against it."""
+    found: dict[str, tuple[Limit, list[str]]] = {}
+    for spec in tools:
+        for limit in spec.limits:
+            found.setdefault(limit.name, (limit, []))[1].append(spec.name)
+    return dict(sorted(found.items()))
 
 
 class Limiter(Protocol):
@@ -360,5 +379,5 @@ class MemoryLimiter:
             return found
 
 
-__all__ = ["Admission", "Bucket", "Limit", "LimitContext", "LimitKey", "Limiter", "MemoryLimiter", "RedisLimiter",
-           "Usage", "buckets_for", "parse_rate"]
+__all__ = ["Admission", "Bucket", "Limit", "LimitContext", "LimitKey", "LimitedTool", "Limiter", "MemoryLimiter",
+           "RedisLimiter", "Usage", "buckets_for", "declared_limits", "parse_rate"]

@@ -25,9 +25,10 @@ class CallPayload(BaseModel):
     deadline: float
     tenant: str | None = None
     # Flow control (worker/admission.py): deliveries spent waiting for a limit (never attempts),
-    # and when the first of them began.
+    # when the first of them began, and the limit the latest one waited for (the timeline shows it).
     waits: int = 0
     waiting_since: float | None = None
+    waiting_for: str | None = None
 
     @property
     def cancel_scope(self) -> str:

@@ -43,7 +43,7 @@ from toolchord.orchestrator.turn import TurnRecord, TurnResult
 from toolchord.worker.celery_app import create_app
 from toolchord.worker.config import Settings
 from toolchord.worker.models import SideEffect, ToolCall
-from toolchord.worker.registry import Provider, Registry
+from toolchord.worker.registry import Registry
 
 _CLASSES: tuple[SideEffect, ...] = ("read", "idempotent", "unsafe")
 # How often the loop-lag probe wakes up: its overshoot is time the event loop was blocked.
@@ -107,12 +107,10 @@ class _TimedOrchestrator(Orchestrator):
         self.start_seconds: list[float] = []
         self.finish_seconds: list[float] = []
 
-    def _start(
-        self, session_id: str, calls: list[ToolCall], provider: Provider, turn_id: str | None
-    ) -> TurnResult | tuple[TurnRecord, str]:
+    def _start(self, *args: Any, **kwargs: Any) -> TurnResult | tuple[TurnRecord, str]:
         began = time.perf_counter()
         try:
-            return super()._start(session_id, calls, provider, turn_id)
+            return super()._start(*args, **kwargs)
         finally:
             self.start_seconds.append(time.perf_counter() - began)
 

@@ -17,11 +17,12 @@ from toolchord.orchestrator.events import CallParsed, CallResult, LateResult, Mo
 from toolchord.orchestrator.turn_store import RedisTurnStore
 from toolchord.worker.observability.call_timeline import TIMELINE_DIR, CallTiming, read_timing_file, read_timings
 
-BarPhase = Literal["queued", "running", "retrying", "done"]
+BarPhase = Literal["queued", "waiting", "running", "retrying", "done"]
 
 
 class CallBar(BaseModel):
-    """One call on the time axis: queued from dispatch to its first start, earlier attempts and their
+    """One call on the time axis: queued from dispatch to its first start (or to its first wait for a
+    fleet-wide limit, then waiting for `waiting_for` until admitted), earlier attempts and their
     backoff up to the last attempt's start, running to its end, then done."""
 
     call_id: str
@@ -37,6 +38,8 @@ class CallBar(BaseModel):
     phase: BarPhase = "queued"
     code: str | None = None
     late_code: str | None = None
+    waiting_for: str | None = None
+    waiting_since: float | None = None
 
 
 class TurnView(BaseModel):
@@ -83,6 +86,12 @@ def recent_sessions(log: EventLog, limit: int = 200) -> list[SessionSummary]:
 
 def _apply_timing(bar: CallBar, timing: CallTiming) -> None:
     bar.key = timing.key
+    bar.waiting_for, bar.waiting_since = timing.waiting_for, timing.waiting_since
+    if timing.phase == "waiting":
+        # Not started yet: back in the broker until the limit admits it (or the turn gives up).
+        if bar.phase != "done":
+            bar.phase = "waiting"
+        return
     bar.started_at = timing.started_at
     bar.first_started_at = timing.first_started_at
     bar.worker = timing.worker

@@ -1,7 +1,8 @@
 """When and where each call ran, kept for the session timeline page (`toolchord ui`).
 
 Workers write one JSON record per call into a hash per session in Redis: when a delivery starts
-(the bar turns from queued to running) and when it ends (the bar gets its result code). The
+(the bar turns from queued to running), when it ends (the bar gets its result code), and when it
+goes back to the broker to wait for a limit (phase `waiting`, naming the limit and since when). The
 embedded worker, without Redis, appends the same records to `<log dir>/timeline/<session>.jsonl`
 beside the session's JSONL log (the last record of a call wins). Only names, ids, times and codes:
 never arguments or output.
@@ -23,7 +24,7 @@ TIMELINE_DIR = "timeline"
 # Session ids become file names: the event log allows these (and refuses others before a turn).
 _SAFE_SESSION = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
-CallPhase = Literal["running", "retrying", "done"]
+CallPhase = Literal["waiting", "running", "retrying", "done"]
 
 
 class CallTiming(BaseModel):
@@ -41,9 +42,11 @@ class CallTiming(BaseModel):
     first_started_at: float | None = Field(default=None, description="Start of the first attempt.")
     finished_at: float | None = None
     worker: str | None = None
-    attempts: int = 1
+    attempts: int = Field(default=1, description="Attempts so far; deliveries that waited for a limit are none.")
     phase: CallPhase = "running"
     code: str | None = None
+    waiting_for: str | None = Field(default=None, description="The limit the call waited (or waits) for.")
+    waiting_since: float | None = Field(default=None, description="When its first wait for a limit began.")
 
 
 def timing_key(session_id: str) -> str:

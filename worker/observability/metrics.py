@@ -58,6 +58,9 @@ class _Metrics:
         self.late_results = Counter(
             "toolchord_late_results", "Results that arrived after their turn ended (reported in a later turn).",
             ["tool"])
+        self.limit_refusals = Counter(
+            "toolchord_limit_refusals", "Admissions a fleet-wide limit refused (the call waited in the broker, or "
+            "got NOT_EXECUTED at its deadline), by limit.", ["limit"])
 
 
 _METRICS: _Metrics | None = _Metrics() if prometheus_client is not None else None
@@ -130,6 +133,32 @@ class QueueDepthCollector:
         yield family
 
 
+class LimitUsageCollector:
+    """`toolchord_limit_in_use{limit}` and `toolchord_limit_waiting{limit}`: permits held and calls
+    waiting per fleet-wide limit, read from the limiter (Redis) at scrape time, one round trip."""
+
+    def __init__(self, limiter: Any, names: Iterable[str]) -> None:
+        self.limiter = limiter
+        self.names = sorted(set(names))
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        in_use = GaugeMetricFamily("toolchord_limit_in_use", "Concurrency permits held per limit, fleet-wide.",
+                                   labels=["limit"])
+        waiting = GaugeMetricFamily("toolchord_limit_waiting", "Calls waiting in the broker for a limit.",
+                                    labels=["limit"])
+        try:
+            for usage in self.limiter.usage(self.names):
+                in_use.add_metric([usage.name], usage.in_use)
+                waiting.add_metric([usage.name], usage.waiting)
+        except Exception as exc:  # noqa: BLE001 - a scrape must not fail because Redis is away
+            log.warning("limit usage unavailable: %s", exc)
+        yield in_use
+        yield waiting
+
+
 def wipe_multiprocess_dir(directory: str) -> None:
     """Create the directory, or empty it of a previous run's files (prometheus-client requires
     an empty directory when the processes start, and every process writes there at import)."""
@@ -156,6 +185,7 @@ def mark_process_dead(pid: int) -> None:
 __all__ = [
     "CLAIM_TAKEN",
     "MULTIPROC_ENV",
+    "LimitUsageCollector",
     "QueueDepthCollector",
     "mark_process_dead",
     "metrics",

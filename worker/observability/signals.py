@@ -3,7 +3,8 @@
 - `before_task_publish` (the orchestrator, or a worker retrying): the trace context and the publish
   time go into the message headers.
 - `task_prerun` / `task_postrun` (the worker): a `toolchord.call` span per delivery, child of the
-  turn that published it; call metrics; the call's timing record for the timeline page.
+  turn that published it; call metrics; the call's timing record for the timeline page (a delivery
+  sent back to wait for a limit is recorded as `waiting`, not as a retry).
 - `celeryd_after_setup` / `worker_process_init` / `worker_process_shutdown`: the metrics endpoint
   and the trace exporter of `toolchord worker`.
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from celery.exceptions import Retry
 from celery.signals import (
     before_task_publish,
     celeryd_after_setup,
@@ -30,8 +32,10 @@ from celery.signals import (
 )
 from pydantic import ValidationError
 
+from toolchord.worker.limits import declared_limits
 from toolchord.worker.observability.call_timeline import CallTiming, append_timing, read_timing, save_timing
 from toolchord.worker.observability.metrics import (
+    LimitUsageCollector,
     QueueDepthCollector,
     mark_process_dead,
     metrics,
@@ -57,6 +61,7 @@ _CALL_TASKS = {name: side_effect for side_effect, name in TASK_NAMES.items()}
 @dataclass
 class _Delivery:
     runtime: WorkerRuntime
+    payload: CallPayload
     timing: CallTiming
     span: OpenSpan
 
@@ -127,7 +132,8 @@ def _on_prerun(task_id: str = "", task: Any = None, kwargs: dict[str, Any] | Non
         session_id=payload.session_id, turn_id=payload.turn_id, call_id=payload.call.id, tool=payload.call.name,
         side_effect=side_effect, key=payload.key, queue=queue,
         published_at=published if isinstance(published, (int, float)) else None,
-        started_at=now, worker=request.hostname, attempts=request.retries + 1,
+        started_at=now, worker=request.hostname, attempts=request.retries + 1 - payload.waits,
+        waiting_for=payload.waiting_for, waiting_since=payload.waiting_since,
     )
     timing.first_started_at = _first_start(runtime, payload, timing.attempts, now)
     span = OpenSpan("toolchord.call", request, {
@@ -137,7 +143,7 @@ def _on_prerun(task_id: str = "", task: Any = None, kwargs: dict[str, Any] | Non
         "toolchord.worker": request.hostname, "celery.task_id": task_id,
     })
     with _open_lock:
-        _open[task_id] = _Delivery(runtime, timing, span)
+        _open[task_id] = _Delivery(runtime, payload, timing, span)
     m = metrics()
     # First attempts only: a retry's wait is mostly its backoff.
     if m is not None and timing.published_at is not None and timing.attempts == 1:
@@ -154,6 +160,14 @@ def _on_postrun(task_id: str = "", retval: Any = None, state: str | None = None,
     timing = delivery.timing
     timing.finished_at = time.time()
     m = metrics()
+    waited = _waited(retval, delivery.payload) if state == "RETRY" else None
+    if waited is not None:
+        # Back in the broker until a limit admits it: no attempt, no run.
+        timing.phase, timing.finished_at = "waiting", None
+        timing.waiting_for, timing.waiting_since = waited.waiting_for, waited.waiting_since
+        delivery.span.end({"toolchord.waiting_for": waited.waiting_for})
+        _save(delivery.runtime, timing)
+        return
     if state == "RETRY":
         timing.phase = "retrying"
         delivery.span.end({"toolchord.retry": True})
@@ -173,6 +187,16 @@ def _on_postrun(task_id: str = "", retval: Any = None, state: str | None = None,
     _save(delivery.runtime, timing)
 
 
+def _waited(retry: Any, payload: CallPayload) -> CallPayload | None:
+    """The payload re-published by a retry that only waits for a limit (its `waits` grew), else None."""
+    sent = retry.sig.kwargs.get("payload") if isinstance(retry, Retry) and retry.sig is not None else None
+    try:
+        again = CallPayload.model_validate(sent)
+    except ValidationError:
+        return None
+    return again if again.waits > payload.waits and again.waiting_for else None
+
+
 @celeryd_after_setup.connect
 def _serve_metrics(instance: Any = None, **_: Any) -> None:
     # In the worker's main process, before the pool forks: the children write, this one serves
@@ -182,7 +206,9 @@ def _serve_metrics(instance: Any = None, **_: Any) -> None:
         return
     queues = list(instance.app.amqp.queues.consume_from or instance.app.amqp.queues)
     address = os.environ.get(METRICS_ADDRESS_ENV, "127.0.0.1")
-    start_server(int(port), address, [QueueDepthCollector(instance.app, queues)])
+    runtime = runtime_of(instance.app)
+    start_server(int(port), address, [QueueDepthCollector(instance.app, queues),
+                                      LimitUsageCollector(runtime.limiter, declared_limits(runtime.registry))])
     log.info("metrics on http://%s:%s/metrics", address, port)
 
 

@@ -44,7 +44,8 @@ function drawSessions(sessions) {
 }
 
 function legend() {
-  const items = [["queued", "seg-queued"], ["running", "seg-running"], ["earlier attempts", "seg-retrying"]]
+  const items = [["queued", "seg-queued"], ["waiting for a limit", "seg-waiting"], ["running", "seg-running"],
+    ["earlier attempts", "seg-retrying"]]
     .concat(CODES.map((code) => [code, "code-" + code]));
   return el("div", { class: "legend" }, ...items.map(([text, cls]) => el("span", {}, el("i", { class: cls }), text)));
 }
@@ -76,21 +77,31 @@ function segment(cls, from, to, start, span, title) {
 
 function callRow(call, start, span, now) {
   const state = call.phase === "done" ? call.code || "ok" : call.phase;
+  const shown = call.phase === "waiting" ? `waiting: ${call.waiting_for}` : state;
   const label = el("div", { class: "label" },
     el("span", { class: "tool", title: `${call.tool} (${call.side_effect || "not in registry"})` }, call.tool),
     el("span", { class: "mono", title: call.call_id }, short(call.call_id, 18)),
     el("span", { title: "attempts" }, call.attempts ? "×" + call.attempts : ""),
     el("span", { class: "mono", title: call.worker || "" }, short(call.worker, 18)),
-    el("span", { class: "code code-" + state, title: call.late_code ? `late result: ${call.late_code}` : state },
-      short(state, 16)));
+    el("span", { class: "code code-" + state, title: call.late_code ? `late result: ${call.late_code}` : shown },
+      short(shown, 32)));
   const key = call.key ? `key ${call.key}` : "no key";
-  const title = `${call.tool} ${call.call_id} · ${state} · ${key} · attempts ${call.attempts || 0} · ${call.worker || "no worker"}`;
+  const waited = call.waiting_for ? ` · waited for limit ${call.waiting_for} since ${clock(call.waiting_since)}` : "";
+  const title = `${call.tool} ${call.call_id} · ${shown} · ${key} · attempts ${call.attempts || 0} · ` +
+    `${call.worker || "no worker"}${waited}`;
   label.title = title;
   const track = el("div", { class: "track", title });
   const queued = call.queued_at || call.first_started_at || call.started_at;
-  const started = call.started_at || (call.phase === "queued" ? now : call.finished_at);
+  const started = call.started_at || (["queued", "waiting"].includes(call.phase) ? now : call.finished_at);
   const first = Math.min(call.first_started_at || started, started);
-  if (queued && first > queued) track.append(segment("seg-queued", queued, first, start, span, "queued " + seconds(first - queued)));
+  // A call refused admission waits in the broker from its first refusal until a limit admits it.
+  const waiting = call.waiting_since && call.waiting_since < first ? call.waiting_since : null;
+  const queuedEnd = waiting && queued ? Math.max(queued, Math.min(waiting, first)) : first;
+  if (queued && queuedEnd > queued) track.append(segment("seg-queued", queued, queuedEnd, start, span, "queued " + seconds(queuedEnd - queued)));
+  if (waiting) {
+    track.append(segment("seg-waiting", waiting, first, start, span,
+      `waiting for limit ${call.waiting_for} ${seconds(first - waiting)} (since ${clock(waiting)})`));
+  }
   if (first < started) track.append(segment("seg-retrying", first, started, start, span, "earlier attempts and backoff " + seconds(started - first)));
   if (call.started_at) {
     const end = call.phase === "done" && call.finished_at ? call.finished_at : now;
