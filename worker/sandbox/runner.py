@@ -87,6 +87,14 @@ _warned_lock = threading.Lock()
 # to tear down a forked worker image costs a millisecond or more, so it happens off the call path.
 _unreaped: set[int] = set()
 _unreaped_lock = threading.Lock()
+_timings = False
+
+
+def report_setup_timings(enabled: bool) -> None:
+    """Benchmarks only: have children write when each setup step ended (child.TIMINGS_PREFIX) to
+    their captured stderr, which is in the outcome's `output`."""
+    global _timings
+    _timings = enabled
 
 
 def requested_layers(profile: SandboxProfile) -> frozenset[Layer]:
@@ -528,6 +536,7 @@ def _start_in_zygote(
         disk_quota=layers.disk_quota,
         hidden_paths=layers.hidden_paths,
         ipc_namespace=layers.ipc_namespace,
+        timings=_timings,
     )
     try:
         return zygote_client().submit(
@@ -573,6 +582,7 @@ def _fork_worker(
         ipc_namespace=layers.ipc_namespace,
         worker_fork=True,
         secret_holders=secret_holders(),
+        timings=_timings,
     )
     pid = os.fork()
     if pid == 0:

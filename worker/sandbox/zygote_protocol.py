@@ -126,6 +126,10 @@ class CallPayload(BaseModel):
     ipc_namespace: bool = Field(
         default=False, description="Give the call an IPC namespace of its own."
     )
+    timings: bool = Field(
+        default=False,
+        description="Benchmarks only: the child reports when each setup step ended (child.TIMINGS_PREFIX).",
+    )
 
 
 class ZygoteReply(BaseModel):

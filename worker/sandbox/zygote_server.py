@@ -35,13 +35,21 @@ import selectors
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NoReturn
 
 from toolchord.worker.context import ToolContext
 from toolchord.worker.registry import Registry
-from toolchord.worker.sandbox.child import SETUP_FAILED_STATUS, ChildPlan, child_main, rehearse
+from toolchord.worker.sandbox.child import (
+    SETUP_FAILED_STATUS,
+    ChildPlan,
+    child_main,
+    mark,
+    rehearse,
+    start_timings,
+)
 from toolchord.worker.sandbox.import_paths import ImportRoot, private_import_roots
 from toolchord.worker.sandbox.profile import SandboxProfile
 from toolchord.worker.sandbox.read_paths import code_read_paths
@@ -529,6 +537,7 @@ def _spare_main(
         )
         if not message:
             os._exit(0)  # the worker let this spare go (it lacked a tool loaded since)
+        received = (time.monotonic(), time.process_time())
         for level, kind, data in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
@@ -546,6 +555,9 @@ def _spare_main(
         )
         if in_call_namespace:
             plan = replace(plan, process_group="inherited")
+        if payload.timings:
+            start_timings("call received", received)
+            mark("payload read")
     except BaseException:  # noqa: BLE001 - nothing may unwind into the zygote's loop
         os._exit(SETUP_FAILED_STATUS)
     child_main(plan)
@@ -627,6 +639,7 @@ def _plan(
         disk_quota=payload.disk_quota,
         hidden_paths=payload.hidden_paths,
         ipc_namespace=payload.ipc_namespace,
+        timings=payload.timings,
         # Already a group leader, in the zygote's session, which has no controlling terminal.
         process_group="own",
     )
