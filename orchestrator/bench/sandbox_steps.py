@@ -71,12 +71,11 @@ def _wrap(
 def _worker_marks(marks: list[Mark]) -> Iterator[None]:
     """Time the worker's steps of each call (single-threaded benchmark only)."""
     undo = [
-        _wrap(marks, cgroup, "remove_pending", None, "worker: earlier cgroups removed"),
         _wrap(marks, runner, "make_workdir", None, "worker: workdir created"),
         _wrap(marks, runner, "_make_cgroup", None, "worker: cgroup created"),
         _wrap(marks, ZygoteClient, "submit", "worker: call planned", "worker: handed to spare"),
         _wrap(marks, runner._Watch, "run", None, "worker: frame read, group killed"),
-        _wrap(marks, cgroup, "release", None, "worker: cgroup released"),
+        _wrap(marks, cgroup, "release_later", None, "worker: cgroup handed off"),
         _wrap(marks, runner, "_clean_up", None, "worker: workdir handed off"),
     ]
     runner.report_setup_timings(True)

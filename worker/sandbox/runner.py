@@ -134,7 +134,6 @@ def run_isolated(
                 )
             return _run_in_process(spec, args, context)
         _reap_finished()
-        cgroup.remove_pending()
         caps = probe()
         missing_required = caps.missing(profile.required)
         if missing_required:
@@ -252,7 +251,8 @@ def _supervise(
         )
     finally:
         if call_cgroup is not None:
-            cgroup.release(call_cgroup)
+            # Its processes were killed when the call ended; removing it need not delay the outcome.
+            cgroup.release_later(call_cgroup)
         _clean_up(watch, workdir, mounted="disk" in caps.available())
 
 
