@@ -28,7 +28,7 @@ from toolchord.worker.execution import HandlerOutcome, call_handler
 from toolchord.worker.sandbox import cgroup, disk, landlock
 from toolchord.worker.sandbox.capabilities import LAYERS
 from toolchord.worker.sandbox.import_paths import ImportRoot, redirect_imports
-from toolchord.worker.sandbox.limits import apply_rlimits, mapped_bytes
+from toolchord.worker.sandbox.limits import apply_cpu_limit, apply_rlimits, mapped_bytes
 from toolchord.worker.sandbox.profile import Layer, SandboxProfile
 from toolchord.worker.sandbox.scrub import forget_worker_secrets
 from toolchord.worker.sandbox.syscalls import (
@@ -159,8 +159,9 @@ def mark(step: str) -> None:
         _marks.append((step, time.monotonic(), time.process_time()))
 
 
-def child_main(plan: ChildPlan) -> NoReturn:
-    """Entry point right after fork; never returns."""
+def child_main(plan: ChildPlan, confinement: Confinement | None = None) -> NoReturn:
+    """Entry point right after fork, or in a spare confined ahead of its call (`confinement`,
+    from `confine_ahead` with the same layers); never returns."""
     own_pid = os.getpid()
     if plan.timings and _marks is None:
         start_timings("fork")
@@ -179,7 +180,7 @@ def child_main(plan: ChildPlan) -> NoReturn:
     # (and so never copies) the worker's whole heap. The child is short-lived, nothing leaks.
     gc.freeze()
     try:
-        outcome = _confine_and_run(plan)
+        outcome = _confine_and_run(plan, confinement)
     except BaseException as exc:  # noqa: BLE001
         outcome = HandlerOutcome(
             status="crashed",
@@ -365,10 +366,30 @@ def _apply_namespaces(plan: ChildPlan, applied: list[Layer], failures: dict[Laye
         drop_capabilities()  # raises rather than let the call run with them
 
 
-def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
+@dataclass
+class Confinement:
+    """The layers a child applied so far, and why the others failed."""
+
+    applied: list[Layer] = field(default_factory=list)
+    failures: dict[Layer, str] = field(default_factory=dict)
+    ahead: bool = False
+    """Applied ahead of the call, with every rlimit but RLIMIT_CPU."""
+
+
+def confine_ahead(plan: ChildPlan) -> Confinement:
+    """In a spare waiting for its call: apply every layer that does not depend on the call's
+    arguments (cgroup, namespaces and workdir tmpfs, uid, Landlock, seccomp), as `child_main`
+    would. Descriptors, environment, imports and rlimits follow when the call arrives
+    (`child_main(plan, confinement)`), before any of the tool's code runs."""
+    return _confine(plan, ahead=True)
+
+
+def _confine(plan: ChildPlan, ahead: bool = False) -> Confinement:
+    """The layers, in order; with `ahead`, without the call's own part (`_call_part`). Import
+    roots are then still at the descriptors inherited from the zygote."""
     profile = plan.profile
-    applied: list[Layer] = []
-    failures: dict[Layer, str] = {}
+    confinement = Confinement(ahead=ahead)
+    applied, failures = confinement.applied, confinement.failures
     if plan.cgroup_join:
         # First: everything the call does from here on counts against its cgroup's limits.
         try:
@@ -381,21 +402,12 @@ def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
     mark("signals and streams")
     _apply_namespaces(plan, applied, failures)
     os.chdir(plan.workdir)
-    _scrub_environment(plan)
-    if plan.drop_uid:
-        redirect_imports(
-            {root.path: FIRST_ROOT_FD + i for i, root in enumerate(plan.import_roots)}
-        )
-    mark("environment and imports")
-    apply_rlimits(
-        profile,
-        plan.timeout,
-        # Without a cgroup, RLIMIT_NPROC is what bounds the call's total memory, and it counts
-        # only this call's processes when the call has a uid of its own.
-        strict_processes="cgroup" not in applied and plan.drop_uid and profile.uid is None,
-    )
-    applied.append("rlimits")
-    mark("rlimits")
+    if ahead:
+        # Both read /proc, which Landlock hides from here on.
+        _wipe_initial_block()
+        _apply_rlimits(plan, confinement, timeout=None)
+    else:
+        _call_part(plan, confinement)
     if plan.drop_uid:
         try:
             _drop_privileges(plan)
@@ -419,7 +431,8 @@ def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
                     read_paths=plan.read_paths,
                     write_paths=(plan.workdir, *plan.write_paths),
                     read_fds=tuple(
-                        FIRST_ROOT_FD + i for i in range(len(plan.import_roots))
+                        root.fd if ahead else FIRST_ROOT_FD + i
+                        for i, root in enumerate(plan.import_roots)
                     ),
                     deny_tcp=not profile.network,
                     scope_signals=True,
@@ -438,6 +451,44 @@ def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
         except OSError as exc:
             failures["seccomp"] = str(exc)
         mark("seccomp")
+    return confinement
+
+
+def _call_part(plan: ChildPlan, confinement: Confinement) -> None:
+    """The layers that come with the call: its environment, import redirection and rlimits."""
+    _scrub_environment(plan)
+    if plan.drop_uid:
+        redirect_imports(
+            {root.path: FIRST_ROOT_FD + i for i, root in enumerate(plan.import_roots)}
+        )
+    mark("environment and imports")
+    if confinement.ahead:
+        apply_cpu_limit(plan.profile, plan.timeout)
+    else:
+        _apply_rlimits(plan, confinement, plan.timeout)
+    confinement.applied.append("rlimits")
+    mark("rlimits")
+
+
+def _apply_rlimits(plan: ChildPlan, confinement: Confinement, timeout: float | None) -> None:
+    profile = plan.profile
+    apply_rlimits(
+        profile,
+        timeout,
+        # Without a cgroup, RLIMIT_NPROC is what bounds the call's total memory, and it counts
+        # only this call's processes when the call has a uid of its own.
+        strict_processes="cgroup" not in confinement.applied
+        and plan.drop_uid
+        and profile.uid is None,
+    )
+
+
+def _confine_and_run(plan: ChildPlan, confinement: Confinement | None) -> HandlerOutcome:
+    if confinement is None:
+        confinement = _confine(plan)
+    else:
+        _call_part(plan, confinement)
+    applied, failures = confinement.applied, confinement.failures
     _write_all(encode_layers(applied))
     missing = sorted(layer for layer in plan.required if layer not in applied)
     if missing:

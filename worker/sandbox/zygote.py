@@ -30,8 +30,9 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import NoReturn
 
 from toolchord.worker.registry import Registry
@@ -82,6 +83,18 @@ class _ZygoteLost(Exception):
     """The zygote died or stopped answering."""
 
 
+@dataclass
+class Preparation:
+    """Layers sent to a spare ahead of its call (`SpareLayers` JSON), the calls that may use it
+    (`key`: their sandbox profile), and what the worker made for it (its workdir and cgroup,
+    `held`), released with `release` unless a call took the spare."""
+
+    key: bytes
+    message: bytes
+    held: object
+    release: Callable[[], None]
+
+
 class _Spare:
     """A child the zygote forked ahead of its call: its pid, call socket and status socket."""
 
@@ -92,9 +105,16 @@ class _Spare:
         self.generation = generation
         self.call = call
         self.status = status
+        self.prepared: Preparation | None = None
 
     def close(self) -> None:
-        """Let the spare go: it exits at end of file on its call socket."""
+        """Let the spare go: it exits at end of file on its call socket (or with its cgroup)."""
+        self.close_sockets()
+        prepared, self.prepared = self.prepared, None
+        if prepared is not None:
+            prepared.release()
+
+    def close_sockets(self) -> None:
         self.call.close()
         self.status.close()
 
@@ -131,10 +151,11 @@ class _Connection:
             pass
 
     def abandon(self) -> None:
-        """In a forked child: close the inherited sockets (no locks: other threads are gone)."""
+        """In a forked child: close the inherited sockets (no locks: other threads are gone); the
+        spares' workdirs and cgroups stay the parent's."""
         self.sock.close()
         for spare in self._spares:
-            spare.close()
+            spare.close_sockets()
 
     def describe_end(self) -> str:
         code = self.process.poll()
@@ -181,19 +202,24 @@ class _Connection:
         self.loaded[key] = answer.generation
         return answer.generation
 
-    def take_spare(self, generation: int) -> _Spare:
-        """A spare that has the tool's module (asking for more when there is none)."""
+    def take_spare(self, generation: int, key: bytes) -> _Spare:
+        """A spare that has the tool's module and is not confined for other calls than those of
+        `key` (asking for more when there is none)."""
         with self._spare_lock:
             deadline = time.monotonic() + REPLY_SECONDS
             while True:
                 while self._spares:
                     spare = self._spares.popleft()
-                    if spare.generation >= generation:
+                    if spare.generation >= generation and (
+                        spare.prepared is None or spare.prepared.key == key
+                    ):
                         # Ask for the replacement now: it has until the call after next to
                         # be forked and warmed up.
                         self._replenish()
                         return spare
-                    spare.close()  # forked before the tool's module was imported
+                    # Forked before the tool's module was imported, or confined for a profile
+                    # other than this call's.
+                    spare.close()
                 self._replenish()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -201,6 +227,23 @@ class _Connection:
                         f"no spare child was offered within {REPLY_SECONDS:g} s"
                     )
                 self._receive_offer(remaining)
+
+    def prepare_spares(self, key: bytes, prepare: Callable[[], Preparation]) -> None:
+        """Send layers made by `prepare` to every spare offered so far that has none yet."""
+        with self._spare_lock:
+            try:
+                while select.select([self.sock], [], [], 0)[0]:
+                    self._receive_offer(0)
+            except (_ZygoteLost, OSError, ValueError):
+                return  # the next call finds out and starts a new zygote
+            for spare in [s for s in self._spares if s.prepared is None]:
+                preparation = prepare()
+                spare.prepared = preparation
+                try:
+                    spare.call.send(preparation.message)
+                except OSError:
+                    self._spares.remove(spare)
+                    spare.close()
 
     def _replenish(self) -> None:
         missing = SPARES - len(self._spares) - self._pending
@@ -260,6 +303,8 @@ class ZygoteCall:
         self.pid = pid
         self.wait_status: int | None = None
         self.end_detail: str | None = None
+        self.prepared: Preparation | None = None
+        """What the spare was prepared with (its workdir and cgroup are the call's)."""
         sock.setblocking(False)
 
     @property
@@ -358,26 +403,42 @@ class ZygoteClient:
             self._modules.update(modules)
 
     def submit(
-        self, locator: ToolLocator, payload: bytes, child_fds: tuple[int, int, int]
+        self,
+        locator: ToolLocator,
+        payload: Callable[[Preparation | None], bytes],
+        child_fds: tuple[int, int, int],
+        profile_key: bytes = b"",
     ) -> ZygoteCall:
         """Hand one call to a spare child of the zygote and return the running call.
 
-        Raises ZygoteUnavailable when the zygote cannot run now or was lost before the call
-        reached a child (the call did not run; the next call starts a new zygote), and
-        ZygoteToolError when the zygote cannot load the tool.
+        `payload` gives the call's payload for the spare it is handed to, from what that spare
+        was prepared with (None: nothing, the call brings its own workdir and cgroup); a spare
+        prepared for another `profile_key` is let go. The running call's `prepared` is then the
+        call's to release. Raises ZygoteUnavailable when the zygote cannot run now or was lost
+        before the call reached a child (the call did not run; the next call starts a new
+        zygote), and ZygoteToolError when the zygote cannot load the tool.
         """
         connection = self._running()
         key = locator.model_dump_json().encode()
-        memfd = os.memfd_create("toolchord-call", os.MFD_CLOEXEC)
         try:
-            _write_all(memfd, payload)
             generation = connection.loaded.get(key)
             if generation is None:
                 generation = connection.load(locator, key)
             # A spare that died while waiting (killed by another call of the same user) refuses
             # the call: the next one is tried, a fresh one is offered within REPLY_SECONDS.
             for _ in range(SPARES + 1):
-                spare = connection.take_spare(generation)
+                spare = connection.take_spare(generation, profile_key)
+                try:
+                    # Failures here (no workdir, no memfd) are the worker's, not the spare's.
+                    memfd = os.memfd_create("toolchord-call", os.MFD_CLOEXEC)
+                    try:
+                        _write_all(memfd, payload(spare.prepared))
+                    except BaseException:
+                        os.close(memfd)
+                        raise
+                except BaseException:
+                    spare.close()
+                    raise
                 try:
                     spare.call.sendmsg(
                         [key],
@@ -390,6 +451,7 @@ class ZygoteClient:
                         ],
                     )
                 except OSError as exc:
+                    os.close(memfd)
                     spare.close()
                     if not connection.alive():
                         raise _ZygoteLost(
@@ -401,17 +463,28 @@ class ZygoteClient:
                         exc,
                     )
                     continue
-                finally:
-                    spare.call.close()
-                return ZygoteCall(self, connection, spare.status, spare.pid)
+                except BaseException:
+                    os.close(memfd)
+                    spare.close()
+                    raise
+                os.close(memfd)
+                spare.call.close()
+                call = ZygoteCall(self, connection, spare.status, spare.pid)
+                call.prepared, spare.prepared = spare.prepared, None
+                return call
             raise _ZygoteLost(f"{SPARES + 1} spare children in a row refused a call")
         except _ZygoteLost as exc:
             self.lost(connection, str(exc))
             raise ZygoteUnavailable(
                 f"the sandbox zygote was lost before the call reached a child: {exc}"
             ) from exc
-        finally:
-            os.close(memfd)
+
+    def prepare_spares_later(self, profile_key: bytes, prepare: Callable[[], Preparation]) -> None:
+        """Have the spares on offer confined ahead of their calls for calls of `profile_key`,
+        from a background thread, while the call that asks runs."""
+        connection = self._connection
+        if connection is not None:
+            self._starter.submit(connection.prepare_spares, profile_key, prepare)
 
     def lost(self, connection: _Connection, reason: str) -> None:
         """Forget a zygote that died or stopped answering; the next call starts a new one."""

@@ -6,7 +6,10 @@ All sockets are SOCK_SEQPACKET pairs, so every message arrives whole.
   worker sends `ZygoteRequest`s: fork spare children, or load a tool (with a reply socket as
   SCM_RIGHTS, answered by a `LoadReply`). For each spare the zygote sends a `SpareOffer` carrying
   two descriptors: the spare's call socket and its status socket.
-- Call socket (worker -> spare): the tool's `ToolLocator`, with the child ends of the output,
+- Call socket (worker -> spare): first, optionally, a `SpareLayers` without descriptors: the
+  spare confines itself ahead of its call (cgroup, namespaces, workdir tmpfs, uid, Landlock,
+  seccomp), and the call must then come with those very layers. Then the tool's `ToolLocator`,
+  with the child ends of the output,
   result and cancel pipes and a memfd holding the `CallPayload`. The payload (arguments, context,
   the allowed environment values) is only ever read by the child that runs the call, so no call's
   data sits in the zygote's memory where a later child could find it.
@@ -96,17 +99,12 @@ class LoadReply(BaseModel):
     error: str | None = None
 
 
-class CallPayload(BaseModel):
-    """One call, as the worker prepared it; read by the forked child only."""
+class SpareLayers(BaseModel):
+    """The layers of a call that do not depend on its arguments: what a spare can apply before
+    its call arrives (`CallPayload` carries them too)."""
 
-    args_json: str
-    context: ToolContext
     profile: SandboxProfile
-    timeout: float
     workdir: str
-    environment: dict[str, str] = Field(
-        description="The worker's values of the profile's env_allow variables."
-    )
     drop_uid: bool
     netns: bool
     landlock_abi: int
@@ -125,6 +123,17 @@ class CallPayload(BaseModel):
     )
     ipc_namespace: bool = Field(
         default=False, description="Give the call an IPC namespace of its own."
+    )
+
+
+class CallPayload(SpareLayers):
+    """One call, as the worker prepared it; read by the forked child only."""
+
+    args_json: str
+    context: ToolContext
+    timeout: float
+    environment: dict[str, str] = Field(
+        description="The worker's values of the profile's env_allow variables."
     )
     timings: bool = Field(
         default=False,

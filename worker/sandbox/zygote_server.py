@@ -46,6 +46,7 @@ from toolchord.worker.sandbox.child import (
     SETUP_FAILED_STATUS,
     ChildPlan,
     child_main,
+    confine_ahead,
     mark,
     rehearse,
     start_timings,
@@ -68,6 +69,7 @@ from toolchord.worker.sandbox.zygote_protocol import (
     MAX_MESSAGE_BYTES,
     CallPayload,
     LoadReply,
+    SpareLayers,
     SpareOffer,
     ToolLocator,
     ZygoteInit,
@@ -531,20 +533,37 @@ def _spare_main(
         if os.getppid() != zygote_pid:
             os._exit(0)
         _rehearse_until_called(sock, read_paths, roots, zygote_pid)
-        fds = array.array("i")
-        message, ancillary, _flags, _address = sock.recvmsg(
-            MAX_MESSAGE_BYTES, socket.CMSG_SPACE(CALL_FD_COUNT * fds.itemsize)
-        )
-        if not message:
-            os._exit(0)  # the worker let this spare go (it lacked a tool loaded since)
+        message, fds = _receive_call(sock)
+        prepared: SpareLayers | None = None
+        confinement = None
+        if not fds:
+            # Layers to apply ahead of the call; the call itself comes next.
+            prepared = SpareLayers.model_validate_json(message)
+            confinement = confine_ahead(
+                _plan(
+                    _REHEARSAL_TOOL,
+                    CallPayload.model_validate_json(_SAMPLE_PAYLOAD).model_copy(
+                        update=dict(prepared)
+                    ),
+                    (-1, -1, -1),
+                    read_paths,
+                    roots,
+                    zygote_pid,
+                )
+            )
+            message, fds = _receive_call(sock)
         received = (time.monotonic(), time.process_time())
-        for level, kind, data in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        if len(fds) != CALL_FD_COUNT:
+            os._exit(SETUP_FAILED_STATUS)
         output_fd, result_fd, control_fd, payload_fd = fds
         payload = CallPayload.model_validate_json(
             os.pread(payload_fd, os.fstat(payload_fd).st_size, 0)
         )
+        if prepared is not None and any(
+            getattr(payload, name) != value for name, value in prepared
+        ):
+            # Confined for other layers than the call's: it must not run with those.
+            os._exit(SETUP_FAILED_STATUS)
         plan = _plan(
             resolve(message),
             payload,
@@ -553,14 +572,30 @@ def _spare_main(
             roots,
             zygote_pid,
         )
-        if in_call_namespace:
+        if in_call_namespace or confinement is not None:
+            # Its group is set up already (and seccomp, applied ahead, refuses setpgid).
             plan = replace(plan, process_group="inherited")
         if payload.timings:
             start_timings("call received", received)
             mark("payload read")
     except BaseException:  # noqa: BLE001 - nothing may unwind into the zygote's loop
         os._exit(SETUP_FAILED_STATUS)
-    child_main(plan)
+    child_main(plan, confinement)
+
+
+def _receive_call(sock: socket.socket) -> tuple[bytes, array.array[int]]:
+    """The next message on the call socket and the descriptors it carries; exits at end of file
+    (the worker let this spare go: it lacked a tool loaded since, or its layers did not fit)."""
+    fds = array.array("i")
+    message, ancillary, _flags, _address = sock.recvmsg(
+        MAX_MESSAGE_BYTES, socket.CMSG_SPACE(CALL_FD_COUNT * fds.itemsize)
+    )
+    if not message:
+        os._exit(0)
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return message, fds
 
 
 class _CallArrived(BaseException):
