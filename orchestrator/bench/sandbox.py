@@ -20,22 +20,20 @@ import sys
 import time
 from collections.abc import Sequence
 
+from pydantic import BaseModel
+
 from toolchord.orchestrator.bench.sandbox_steps import format_profile, profile_steps
-from toolchord.worker import ToolContext, call_handler, tool
+from toolchord.worker import ToolContext, call_handler
 from toolchord.worker.sandbox import describe_layers, run_isolated
 from toolchord.worker.sandbox.zygote import set_zygote_enabled, start_zygote, zygote_pid
 from toolchord.worker.tools import ToolSpec
 
+TOOL_MODULE = "toolchord.worker.bench_tools"
+"""A small tool module: the zygote's heap, hence its forks' cost, is that of a typical worker."""
 OVERHEAD_TARGET_MS = 1.0
 """Zygote call overhead on the critical path (median wall, against calling in-process)."""
 CPU_TARGET_MS = 3.0
 """CPU per sandboxed call, summed over the worker, the zygote and its children."""
-
-
-@tool(side_effect="read", timeout=10)
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
 
 
 def _timed_ms(run: object) -> float:
@@ -90,10 +88,8 @@ def _unprivileged_profile(uid: int, calls: int) -> str:
     return b"".join(chunks).decode()
 
 
-def _call() -> tuple[ToolSpec, object, ToolContext]:
-    # Run as `python -m`, this file is __main__, which the zygote cannot import: take the tool
-    # from the module imported by name, as a worker's tool modules are.
-    spec: ToolSpec = importlib.import_module("toolchord.orchestrator.bench.sandbox").add
+def _call() -> tuple[ToolSpec, BaseModel, ToolContext]:
+    spec: ToolSpec = importlib.import_module(TOOL_MODULE).add
     context = ToolContext(
         call_id="bench",
         session_id="bench",

@@ -44,6 +44,8 @@ class StepProfile:
     total_wall_ms: float
     spare_cpu_ms: float
     """CPU a spare spent before its call arrived (fork faults, rehearsal): off the critical path."""
+    ahead_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Steps of spares confined ahead, before their call arrived: (wall, CPU) medians."""
     process_cpu_ms: dict[str, float] = field(default_factory=dict)
     """Per call: worker, zygote, zygote's children (whole lives), whole machine."""
 
@@ -127,6 +129,8 @@ def profile_steps(
     cpus: dict[str, list[float]] = {}
     owner: dict[str, str] = {}
     positions: dict[str, list[int]] = {}
+    ahead: dict[str, list[tuple[float, float]]] = {}
+    timelines: list[tuple[bool, list[Mark]]] = []
     prepared = 0
     totals: list[float] = []
     spare_cpu: list[float] = []
@@ -140,13 +144,25 @@ def profile_steps(
         marks.append(("worker: returned", time.monotonic(), time.thread_time()))
         totals.append((marks[-1][1] - marks[0][1]) * 1000)
         found = child_marks(outcome.output)
-        if not found:
+        arrival = next((i for i, mark in enumerate(found) if mark[0] == "child: call received"), None)
+        if arrival is None:
             raise RuntimeError(f"the child reported no timings: {outcome!r}")
+        before, found = found[:arrival], found[arrival:]
+        for previous, current in zip(before, before[1:], strict=False):
+            ahead.setdefault(current[0], []).append(
+                ((current[1] - previous[1]) * 1000, (current[2] - previous[2]) * 1000)
+            )
         spare_cpu.append(found[0][2] * 1000)
-        prepared += not any(step == "child: seccomp" for step, _at, _cpu in found)
-        timeline = sorted([*marks, *found], key=lambda mark: mark[1])
+        confined_ahead = not any(step == "child: seccomp" for step, _at, _cpu in found)
+        prepared += confined_ahead
+        timelines.append((confined_ahead, sorted([*marks, *found], key=lambda mark: mark[1])))
+    # The table is of the calls that found a spare confined ahead, when there were any.
+    for confined_ahead, timeline in timelines:
+        if prepared and not confined_ahead:
+            continue
         # The child's CPU before its call arrived is the spare's, reported apart.
-        last_cpu = {"worker": marks[0][2], "child": found[0][2]}
+        last_cpu = {"worker": timeline[0][2]}
+        last_cpu["child"] = next(cpu for step, _at, cpu in timeline if step.startswith("child:"))
         for position, (previous, current) in enumerate(zip(timeline, timeline[1:], strict=False)):
             step = current[0]
             process = step.split(":", 1)[0]
@@ -168,6 +184,13 @@ def profile_steps(
         owner=owner,
         total_wall_ms=statistics.median(totals),
         spare_cpu_ms=statistics.median(spare_cpu),
+        ahead_ms={
+            step: (
+                statistics.median(wall for wall, _cpu in values),
+                statistics.median(cpu for _wall, cpu in values),
+            )
+            for step, values in ahead.items()
+        },
         process_cpu_ms={
             "worker (this process)": (time.process_time() - worker_before) * per_call,
             "zygote itself": (zygote_after[0] - zygote_before[0]) * per_call,
@@ -180,13 +203,17 @@ def profile_steps(
 def format_profile(title: str, profile: StepProfile) -> str:
     """The profile as a table: step, wall ms on the critical path, CPU ms."""
     lines = [
-        f"{title}: medians over {profile.calls} calls ({profile.prepared_calls} on a spare confined "
-        f"ahead), {profile.total_wall_ms:.3f} ms per call",
+        f"{title}: {profile.calls} calls, {profile.prepared_calls} on a spare confined ahead "
+        f"(the steps are theirs, if any); median {profile.total_wall_ms:.3f} ms per call",
         f"  {'step (ended)':44s} {'wall ms':>8s} {'CPU ms':>8s}",
     ]
     for step, wall in profile.wall_ms.items():
         lines.append(f"  {step:44s} {wall:8.3f} {profile.cpu_ms[step]:8.3f}")
     lines.append(f"  {'spare before its call (off the path)':44s} {'':8s} {profile.spare_cpu_ms:8.3f}")
+    if profile.ahead_ms:
+        lines.append("  of which, confining the spare ahead of its call (off the path):")
+        for step, (wall, cpu) in profile.ahead_ms.items():
+            lines.append(f"    {step:42s} {wall:8.3f} {cpu:8.3f}")
     lines.append("  CPU per call by process:")
     for name, value in profile.process_cpu_ms.items():
         lines.append(f"    {name:42s} {value:8.3f} ms")

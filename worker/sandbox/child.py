@@ -143,10 +143,12 @@ class ChildPlan:
 
 
 def start_timings(step: str, at: tuple[float, float] | None = None) -> None:
-    """Record the end of each setup step from now on, starting with `step`, which ended `at`
-    (monotonic, CPU seconds; default now). Benchmarks only."""
+    """Record the end of each setup step from now on (after those already recorded, by a spare
+    confined ahead), starting with `step`, which ended `at` (monotonic, CPU seconds; default
+    now). Benchmarks only."""
     global _marks
-    _marks = []
+    if _marks is None:
+        _marks = []
     if at is None:
         mark(step)
     else:

@@ -70,7 +70,7 @@ from toolchord.worker.sandbox.zygote import (
     zygote_client,
     zygote_enabled,
 )
-from toolchord.worker.sandbox.zygote_protocol import CallPayload, SpareLayers
+from toolchord.worker.sandbox.zygote_protocol import CallArguments, CallPayload, SpareLayers
 from toolchord.worker.tools import ToolSpec
 
 GRACE_SECONDS = 1.0
@@ -286,6 +286,7 @@ class _Held:
             disk_quota=layers.disk_quota,
             hidden_paths=layers.hidden_paths,
             ipc_namespace=layers.ipc_namespace,
+            timings=_timings,
         )
 
     def release_later(self) -> None:
@@ -622,20 +623,23 @@ def _start_in_zygote(
     if refused is not None:
         return refused
     profile = spec.sandbox
-    call_part = {
-        "args_json": args.model_dump_json(round_trip=True),
-        "context": context,
-        "timeout": limit,
+    arguments = CallArguments(
+        args_json=args.model_dump_json(round_trip=True),
+        context=context,
+        timeout=limit,
         # The zygote's environment is only the allow-list: the worker's values travel with the call.
-        "environment": {
+        environment={
             name: os.environ[name] for name in profile.env_allow if name in os.environ
         },
-        "timings": _timings,
-    }
+        timings=_timings,
+    )
 
     def payload(prepared: Preparation | None) -> bytes:
-        layers = resources.for_spare(prepared).spare_layers(profile)
-        return CallPayload(**dict(layers), **call_part).model_dump_json().encode()
+        held = resources.for_spare(prepared)
+        if prepared is not None and held is prepared.held:
+            return arguments.model_dump_json().encode()  # the spare has its layers
+        layers = held.spare_layers(profile)
+        return CallPayload(**{**dict(layers), **dict(arguments)}).model_dump_json().encode()
 
     profile_key = _spare_key(profile, resources.caps)
     client = zygote_client()

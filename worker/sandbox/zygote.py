@@ -229,21 +229,33 @@ class _Connection:
                 self._receive_offer(remaining)
 
     def prepare_spares(self, key: bytes, prepare: Callable[[], Preparation]) -> None:
-        """Send layers made by `prepare` to every spare offered so far that has none yet."""
-        with self._spare_lock:
-            try:
-                while select.select([self.sock], [], [], 0)[0]:
-                    self._receive_offer(0)
-            except (_ZygoteLost, OSError, ValueError):
-                return  # the next call finds out and starts a new zygote
-            for spare in [s for s in self._spares if s.prepared is None]:
-                preparation = prepare()
-                spare.prepared = preparation
+        """Send layers made by `prepare` to every spare that has none yet, those asked for and
+        not offered yet included (waiting for them at most REPLY_SECONDS)."""
+        deadline = time.monotonic() + REPLY_SECONDS
+        while True:
+            with self._spare_lock:
                 try:
-                    spare.call.send(preparation.message)
-                except OSError:
-                    self._spares.remove(spare)
-                    spare.close()
+                    while select.select([self.sock], [], [], 0)[0]:
+                        self._receive_offer(0)
+                except (_ZygoteLost, OSError, ValueError):
+                    return  # the next call finds out and starts a new zygote
+                for spare in [s for s in self._spares if s.prepared is None]:
+                    preparation = prepare()
+                    spare.prepared = preparation
+                    try:
+                        spare.call.send(preparation.message)
+                    except OSError:
+                        self._spares.remove(spare)
+                        spare.close()
+                waiting = self._pending > 0
+            remaining = deadline - time.monotonic()
+            if not waiting or remaining <= 0:
+                return
+            try:
+                # Outside the lock: a call may take a spare meanwhile.
+                select.select([self.sock], [], [], remaining)
+            except (OSError, ValueError):
+                return
 
     def _replenish(self) -> None:
         missing = SPARES - len(self._spares) - self._pending
@@ -378,6 +390,9 @@ class ZygoteClient:
         self._starter = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="toolchord-zygote"
         )
+        self._preparer = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="toolchord-spares"
+        )
 
     @property
     def pid(self) -> int | None:
@@ -484,7 +499,7 @@ class ZygoteClient:
         from a background thread, while the call that asks runs."""
         connection = self._connection
         if connection is not None:
-            self._starter.submit(connection.prepare_spares, profile_key, prepare)
+            self._preparer.submit(connection.prepare_spares, profile_key, prepare)
 
     def lost(self, connection: _Connection, reason: str) -> None:
         """Forget a zygote that died or stopped answering; the next call starts a new one."""

@@ -8,8 +8,8 @@ All sockets are SOCK_SEQPACKET pairs, so every message arrives whole.
   two descriptors: the spare's call socket and its status socket.
 - Call socket (worker -> spare): first, optionally, a `SpareLayers` without descriptors: the
   spare confines itself ahead of its call (cgroup, namespaces, workdir tmpfs, uid, Landlock,
-  seccomp), and the call must then come with those very layers. Then the tool's `ToolLocator`,
-  with the child ends of the output,
+  seccomp), and its call's memfd then holds only the `CallArguments`. Then the tool's
+  `ToolLocator`, with the child ends of the output,
   result and cancel pipes and a memfd holding the `CallPayload`. The payload (arguments, context,
   the allowed environment values) is only ever read by the child that runs the call, so no call's
   data sits in the zygote's memory where a later child could find it.
@@ -124,10 +124,14 @@ class SpareLayers(BaseModel):
     ipc_namespace: bool = Field(
         default=False, description="Give the call an IPC namespace of its own."
     )
+    timings: bool = Field(
+        default=False,
+        description="Benchmarks only: the child reports when each setup step ended (child.TIMINGS_PREFIX).",
+    )
 
 
-class CallPayload(SpareLayers):
-    """One call, as the worker prepared it; read by the forked child only."""
+class CallArguments(BaseModel):
+    """The part of a call that only the call has: all a spare confined ahead is sent."""
 
     args_json: str
     context: ToolContext
@@ -139,6 +143,11 @@ class CallPayload(SpareLayers):
         default=False,
         description="Benchmarks only: the child reports when each setup step ended (child.TIMINGS_PREFIX).",
     )
+
+
+class CallPayload(SpareLayers, CallArguments):
+    """One call, as the worker prepared it, for a spare not confined ahead; read by the forked
+    child only."""
 
 
 class ZygoteReply(BaseModel):

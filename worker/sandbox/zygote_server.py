@@ -67,6 +67,7 @@ from toolchord.worker.sandbox.syscalls import (
 from toolchord.worker.sandbox.zygote_protocol import (
     CALL_FD_COUNT,
     MAX_MESSAGE_BYTES,
+    CallArguments,
     CallPayload,
     LoadReply,
     SpareLayers,
@@ -539,6 +540,8 @@ def _spare_main(
         if not fds:
             # Layers to apply ahead of the call; the call itself comes next.
             prepared = SpareLayers.model_validate_json(message)
+            if prepared.timings:
+                start_timings("layers received")
             confinement = confine_ahead(
                 _plan(
                     _REHEARSAL_TOOL,
@@ -556,14 +559,13 @@ def _spare_main(
         if len(fds) != CALL_FD_COUNT:
             os._exit(SETUP_FAILED_STATUS)
         output_fd, result_fd, control_fd, payload_fd = fds
-        payload = CallPayload.model_validate_json(
-            os.pread(payload_fd, os.fstat(payload_fd).st_size, 0)
-        )
-        if prepared is not None and any(
-            getattr(payload, name) != value for name, value in prepared
-        ):
-            # Confined for other layers than the call's: it must not run with those.
-            os._exit(SETUP_FAILED_STATUS)
+        raw = os.pread(payload_fd, os.fstat(payload_fd).st_size, 0)
+        if prepared is None:
+            payload = CallPayload.model_validate_json(raw)
+        else:
+            # The worker chose this spare for layers planned as the call's would be.
+            arguments = CallArguments.model_validate_json(raw)
+            payload = CallPayload.model_construct(**{**dict(prepared), **dict(arguments)})
         plan = _plan(
             resolve(message),
             payload,
@@ -626,6 +628,7 @@ def _rehearse_until_called(
     try:
         if not select.select([sock], [], [], 0)[0]:
             sample = CallPayload.model_validate_json(_SAMPLE_PAYLOAD)
+            CallArguments.model_validate_json(_SAMPLE_PAYLOAD)  # what a confined spare reads
             rehearse(
                 _plan(
                     _REHEARSAL_TOOL, sample, (-1, -1, -1), read_paths, roots, zygote_pid
