@@ -814,8 +814,10 @@ class _Watch:
         # after its result) while the leader, alive or zombie, still holds the group id; then
         # take what was written before.
         self.child.kill_group(signal.SIGKILL)
-        if self.cgroup is not None:
-            # Also what left the group (a setsid'd grandchild where seccomp is off).
+        if self.cgroup is not None and "seccomp" not in (self.applied_layers or ()):
+            # Also what left the group (a setsid'd grandchild where seccomp is off). Under
+            # seccomp no process of the call can leave it (setsid and setpgid are refused): the
+            # cgroup's kill then waits for its removal, after the outcome is returned.
             self.cgroup.kill_all()
         self._check_memory()
         for fd in open_fds:

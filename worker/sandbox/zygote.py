@@ -20,6 +20,7 @@ within DEATH_WINDOW_SECONDS is not restarted until the window has passed (calls 
 from __future__ import annotations
 
 import array
+import atexit
 import logging
 import os
 import select
@@ -393,6 +394,7 @@ class ZygoteClient:
         self._preparer = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="toolchord-spares"
         )
+        self._stops_at_exit = False
 
     @property
     def pid(self) -> int | None:
@@ -498,8 +500,14 @@ class ZygoteClient:
         """Have the spares on offer confined ahead of their calls for calls of `profile_key`,
         from a background thread, while the call that asks runs."""
         connection = self._connection
-        if connection is not None:
-            self._preparer.submit(connection.prepare_spares, profile_key, prepare)
+        if connection is None:
+            return
+        if not self._stops_at_exit:
+            # Registered after the workdir and cgroup modules' own exit hooks, so it runs before
+            # them: the spares' workdirs and cgroups are released, then removed.
+            atexit.register(self.stop)
+            self._stops_at_exit = True
+        self._preparer.submit(connection.prepare_spares, profile_key, prepare)
 
     def lost(self, connection: _Connection, reason: str) -> None:
         """Forget a zygote that died or stopped answering; the next call starts a new one."""
