@@ -44,15 +44,16 @@ def steps(outcome: HandlerOutcome) -> list[str]:
     return [step for step, _at, _cpu in json.loads(line)]
 
 
-def wait_for_a_confined_spare() -> None:
-    """Until a child of the zygote (no call runs now: a spare) has taken a per-call uid."""
+def wait_for_a_confined_spare(ended_call: int) -> None:
+    """Until a spare of the zygote (a child other than the process of the call that ended, which
+    may still be exiting) has taken a per-call uid."""
     zygote = zygote_pid()
     assert zygote is not None
     deadline = time.monotonic() + 30
     while True:
         with open(f"/proc/{zygote}/task/{zygote}/children") as children:
             pids = children.read().split()
-        for pid in pids:
+        for pid in (p for p in pids if int(p) != ended_call):
             try:
                 with open(f"/proc/{pid}/status") as status:
                     uid = next(int(line.split()[1]) for line in status if line.startswith("Uid:"))
@@ -65,30 +66,25 @@ def wait_for_a_confined_spare() -> None:
 
 
 def test_later_calls_run_on_spares_confined_ahead_with_every_layer() -> None:
+    runner.report_setup_timings(True)
     first = tools.run(tools.where_am_i)
     assert first.status == "ok", first
-    runner.report_setup_timings(True)
-    seen: list[HandlerOutcome] = []
-    # The spares are confined in the background while a call runs: within a few calls, one is.
-    for _ in range(10):
-        outcome = tools.run(tools.where_am_i)
-        assert outcome.status == "ok", outcome
-        seen.append(outcome)
-        reported = steps(outcome)
-        if reported[0] == "layers received":
-            break
-    else:
-        pytest.fail(f"no call ran on a spare confined ahead: {[steps(o) for o in seen]}")
+    # The spares are confined in the background while a call runs.
+    assert first.data is not None
+    wait_for_a_confined_spare(first.data["pid"])
+    outcome = tools.run(tools.where_am_i)
+    assert outcome.status == "ok", outcome
+    reported = steps(outcome)
+    assert reported[0] == "layers received", reported
     arrival = reported.index("call received")
     # Every layer before the call arrived; after it, only what is the call's own.
-    assert {"cgroup join", "landlock", "seccomp", "uid"} & set(reported[:arrival])
-    assert not {"cgroup join", "landlock", "seccomp", "uid"} & set(reported[arrival:])
+    assert {"uid", "landlock", "seccomp"} <= set(reported[:arrival]), reported
+    assert not {"cgroup join", "uid", "landlock", "seccomp"} & set(reported[arrival:]), reported
     assert outcome.sandbox_layers == first.sandbox_layers
     # Nothing shared with the call before it.
-    before, last = seen[-2] if len(seen) > 1 else first, outcome
-    assert before.data is not None and last.data is not None
+    assert first.data is not None and outcome.data is not None
     for key in ("uid", "workdir", "pid"):
-        assert before.data[key] != last.data[key], (before.data, last.data)
+        assert first.data[key] != outcome.data[key], (first.data, outcome.data)
 
 
 def test_a_spare_confined_for_one_profile_never_runs_a_call_of_another() -> None:
@@ -100,8 +96,9 @@ def test_a_spare_confined_for_one_profile_never_runs_a_call_of_another() -> None
         port = listener.getsockname()[1]
         # A spare confined for the default profile, which has the network, is waiting.
         for _ in range(2):
-            assert tools.run(tools.where_am_i).status == "ok"
-        wait_for_a_confined_spare()
+            last = tools.run(tools.where_am_i)
+            assert last.status == "ok" and last.data is not None, last
+        wait_for_a_confined_spare(last.data["pid"])
         refused = tools.run(tools.connect, host="127.0.0.1", port=port)
     assert refused.status == "error", refused
     assert "netns" in refused.sandbox_layers, refused

@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -507,7 +507,9 @@ class ZygoteClient:
             # them: the spares' workdirs and cgroups are released, then removed.
             atexit.register(self.stop)
             self._stops_at_exit = True
-        self._preparer.submit(connection.prepare_spares, profile_key, prepare)
+        self._preparer.submit(connection.prepare_spares, profile_key, prepare).add_done_callback(
+            _log_preparation_failure
+        )
 
     def lost(self, connection: _Connection, reason: str) -> None:
         """Forget a zygote that died or stopped answering; the next call starts a new one."""
@@ -659,6 +661,14 @@ class ZygoteClient:
             ", in a pid namespace of its own" if in_namespace else "",
         )
         return connection
+
+
+def _log_preparation_failure(done: Future[None]) -> None:
+    """Spares that could not be confined ahead leave their calls to confine themselves: say why."""
+    error = done.exception()
+    if error is not None:
+        _log.warning("sandbox spares could not be confined ahead of their calls: %s: %s",
+                     type(error).__name__, error)
 
 
 def _configured_modules() -> list[str]:
