@@ -1,4 +1,5 @@
-"""Smoke test of `toolchord bench sandbox`: a short run prints each path's time and the CPU a call costs."""
+"""Smoke test of `toolchord bench sandbox`: a short run prints each path's time, the CPU a call
+costs, the profile of a call step by step and the targets."""
 
 from __future__ import annotations
 
@@ -29,3 +30,8 @@ def test_short_run_reports_wall_time_and_cpu_per_call() -> None:
     assert cpu is not None, out
     # A forked, confined child per call cannot be free: a zero would mean the counters were not read.
     assert float(cpu.group(1)) > 0
+    # The profile step by step, from the child's own timestamps, and the targets with a verdict.
+    assert re.search(r"root worker, zygote call: 5 calls, \d+ on a spare confined ahead", out), out
+    assert re.search(r"child: payload read\s+\d+\.\d+\s+\d+\.\d+", out), out
+    assert re.search(r"target: zygote call overhead <= 1 ms: \d+\.\d+ ms (MET|MISSED)", out), out
+    assert re.search(r"target: CPU per sandboxed call <= 3 ms: \d+\.\d+ ms (MET|MISSED)", out), out

@@ -18,6 +18,7 @@ from tests.unprivileged import WORKER_UID, run_unprivileged, user_namespaces_ref
 from toolchord.worker.execution import HandlerOutcome
 from toolchord.worker.sandbox import cgroup, probe, run_isolated
 from toolchord.worker.sandbox.workdir import WORKDIR_ROOT_ENV, sandbox_root, wait_for_removals
+from toolchord.worker.sandbox.zygote import stop_zygote
 from toolchord.worker.tools import ToolSpec
 
 
@@ -26,7 +27,9 @@ def run(spec: ToolSpec, **arguments: Any) -> HandlerOutcome:
 
 
 def call_cgroups() -> list[Path]:
-    """This process's call cgroups, once those of ended calls had time to be removed."""
+    """This process's call cgroups, once the zygote's spares were let go (each holds the cgroup
+    it was confined to ahead of its call) and those of ended calls had time to be removed."""
+    stop_zygote()
     deadline = time.monotonic() + 10
     while not cgroup.remove_pending() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -82,6 +85,7 @@ def check_disk_quota() -> None:
     # Nothing reached the host's disk, and nothing is left behind.
     after = os.statvfs(sandbox_root().path)
     assert (before.f_bfree - after.f_bfree) * after.f_frsize < 32 * 1024 * 1024
+    stop_zygote()  # its spares hold the workdirs they were confined to ahead of their calls
     wait_for_removals()
     root = Path(sandbox_root().path)
     assert stat.S_IMODE(root.stat().st_mode) == 0o711

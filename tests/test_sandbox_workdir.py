@@ -21,6 +21,7 @@ from tests.unprivileged import WORKER_UID, run_unprivileged, user_namespaces_ref
 from toolchord.worker.execution import HandlerOutcome
 from toolchord.worker.sandbox import run_isolated
 from toolchord.worker.sandbox.workdir import WORKDIR_ROOT_ENV, SandboxRootError, sandbox_root, wait_for_removals
+from toolchord.worker.sandbox.zygote import stop_zygote
 from toolchord.worker.tools import ToolSpec
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play both worker kinds")
@@ -51,8 +52,15 @@ def outside(host_tmp: Path) -> Path:
     return directory
 
 
-def assert_untouched(host_tmp: Path, outside: Path) -> None:
+def without_spares() -> None:
+    """Let the zygote's spares go (each holds the workdir it was confined to ahead of its call),
+    and wait until what the calls and spares left is removed."""
+    stop_zygote()
     wait_for_removals()
+
+
+def assert_untouched(host_tmp: Path, outside: Path) -> None:
+    without_spares()
     assert stat.S_IMODE(host_tmp.stat().st_mode) == 0o1777
     assert stat.S_IMODE(outside.stat().st_mode) == 0o755
     assert (outside / "keep.txt").read_text() == "keep"
@@ -139,5 +147,5 @@ def test_unprivileged_worker_removes_directories_left_without_permissions(host_t
 def test_root_worker_removes_directories_left_without_permissions(host_tmp: Path) -> None:
     outcome = run(tools.leave_unreadable_directory)
     assert (outcome.status, outcome.content) == ("ok", "left"), outcome
-    wait_for_removals()
+    without_spares()
     assert not [p for p in host_tmp.rglob("toolchord-call-*")]

@@ -101,14 +101,17 @@ def wait_gone(pid: int, seconds: float = 3.0) -> bool:
 
 
 def runs_a_call(pid: int) -> bool:
-    """The process runs a call: alive, and already under the call's own uid (spares keep the
-    zygote's uid until their call arrives; a root worker gives every call a uid of its own)."""
+    """The process runs a `nap` call: alive, under a per-call uid (a root worker gives every call
+    a uid of its own) and sleeping in the handler; spares confined ahead of their call have their
+    uid already, but wait on their call socket."""
     try:
         with open(f"/proc/{pid}/status") as status:
             uid = next(int(line.split()[1]) for line in status if line.startswith("Uid:"))
+        with open(f"/proc/{pid}/wchan") as wchan:
+            napping = "nanosleep" in wchan.read()
     except (FileNotFoundError, ProcessLookupError):
         return False
-    return uid != os.geteuid() and running(pid)
+    return uid != os.geteuid() and napping and running(pid)
 
 
 def zygote_children(pid: int) -> list[int]:

@@ -5,8 +5,9 @@ RLIMIT_AS and RLIMIT_NPROC are per process (and NPROC per uid): a handler that f
 gets N times its memory. A cgroup counts the call's processes together. The worker creates the
 call's cgroup (memory limit `memory_mb`, no swap, `pids.max` = `max_processes`) under its own
 cgroup before the call starts; the child joins it first thing, before it runs anything of the
-handler, so nothing of the call can be outside it. After the call the worker kills every process
-left in it (grandchildren that left the process group included) and removes it.
+handler, so nothing of the call can be outside it. When the call ends the worker kills every
+process left in it (grandchildren that left the process group included); a background thread
+removes it once they are gone, off the call's path (`release_later`).
 
 Hierarchies: cgroup v2 (`memory` and `pids` enabled in the worker's cgroup's subtree_control) or
 the v1 `memory` and `pids` hierarchies. The layer is probed by doing it (a throwaway cgroup that a
@@ -38,6 +39,11 @@ EXIT_WAIT_SECONDS = 1.0
 _counter = itertools.count()
 _lock = threading.Lock()
 _pending_removal: list[CallCgroup] = []
+# Held for a whole removal pass: a caller that finds nothing pending knows none is half removed.
+_removing = threading.Lock()
+_remover: tuple[int, threading.Event] | None = None
+REMOVAL_RETRY_SECONDS = (0.005, 0.02, 0.1, 0.5)
+"""Pauses of the background remover between passes while killed processes are still exiting."""
 _found: tuple[int, tuple[Hierarchy, ...]] | None = None
 
 
@@ -318,16 +324,47 @@ def release(cgroup: CallCgroup) -> None:
             _pending_removal.append(cgroup)
 
 
+def release_later(cgroup: CallCgroup) -> None:
+    """Have this process's background thread kill what is left of the call and remove its cgroup:
+    the rmdir (and for v1 the kill by pid) costs a few hundred microseconds, and the call's
+    outcome does not depend on it. `remove_pending` finishes the job at once when asked."""
+    global _remover
+    with _lock:
+        _pending_removal.append(cgroup)
+        if _remover is None or _remover[0] != os.getpid():
+            wake = threading.Event()
+            threading.Thread(
+                target=_remove_in_background,
+                args=(wake,),
+                name="toolchord-cgroup-removal",
+                daemon=True,
+            ).start()
+            _remover = (os.getpid(), wake)
+        wake = _remover[1]
+    wake.set()
+
+
+def _remove_in_background(wake: threading.Event) -> None:
+    while True:
+        wake.wait()
+        wake.clear()
+        for pause in REMOVAL_RETRY_SECONDS:
+            if remove_pending():
+                break
+            time.sleep(pause)  # killed processes still exiting: their cgroup is not empty yet
+
+
 def remove_pending() -> bool:
-    """Retry removing cgroups whose processes were still exiting when their call ended; True
-    when none is left."""
-    with _lock:
-        pending = list(_pending_removal)
-        _pending_removal.clear()
-    for cgroup in pending:
-        release(cgroup)
-    with _lock:
-        return not _pending_removal
+    """Remove the cgroups of ended calls (killing what is left in them) that are still there;
+    True when none is left."""
+    with _removing:
+        with _lock:
+            pending = list(_pending_removal)
+            _pending_removal.clear()
+        for cgroup in pending:
+            release(cgroup)
+        with _lock:
+            return not _pending_removal
 
 
 def _remove_at_exit() -> None:

@@ -12,9 +12,11 @@ import ctypes
 import fcntl
 import gc
 import io
+import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
@@ -26,7 +28,7 @@ from toolchord.worker.execution import HandlerOutcome, call_handler
 from toolchord.worker.sandbox import cgroup, disk, landlock
 from toolchord.worker.sandbox.capabilities import LAYERS
 from toolchord.worker.sandbox.import_paths import ImportRoot, redirect_imports
-from toolchord.worker.sandbox.limits import apply_rlimits, mapped_bytes
+from toolchord.worker.sandbox.limits import apply_cpu_limit, apply_rlimits, mapped_bytes
 from toolchord.worker.sandbox.profile import Layer, SandboxProfile
 from toolchord.worker.sandbox.scrub import forget_worker_secrets
 from toolchord.worker.sandbox.syscalls import (
@@ -61,6 +63,9 @@ CONTROL_FD = 4
 FIRST_ROOT_FD = 5
 # Exit status of a child that failed before its result pipe was in place.
 SETUP_FAILED_STATUS = 71
+TIMINGS_PREFIX = b"\n[toolchord-timings] "
+"""Benchmarks only (`ChildPlan.timings`): written to stderr, just before the result frame, with a
+JSON list of [step, CLOCK_MONOTONIC seconds, this process's CPU seconds] for each step."""
 # Per-call uids start here: far above distribution, systemd-dynamic and usual subuid ranges, and
 # pid_max (2**22) more still fits below 2**31.
 PER_CALL_UID_BASE = 2_000_000_000
@@ -80,6 +85,7 @@ _RESET_SIGNALS = (
 # capture pipe.
 _retired_streams: list[object] = []
 _initial_block_wiped = False
+_marks: list[tuple[str, float, float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,7 @@ class ChildPlan:
     scheduler autogroup per session; "inherited" keeps the group of the call's pid namespace init,
     which the worker kills. `worker_fork` marks a direct fork of the worker, which forgets the
     worker's connection secrets (`toolchord.worker.sandbox.scrub`) before anything else runs.
+    `timings` (benchmarks) reports when each step ended (TIMINGS_PREFIX).
     """
 
     spec: ToolSpec
@@ -128,15 +135,38 @@ class ChildPlan:
     worker_fork: bool = False
     # A direct fork's copies of the worker's secret-holding objects, found before the fork.
     secret_holders: tuple[Any, ...] = ()
+    timings: bool = False
 
     @property
     def profile(self) -> SandboxProfile:
         return self.spec.sandbox
 
 
-def child_main(plan: ChildPlan) -> NoReturn:
-    """Entry point right after fork; never returns."""
+def start_timings(step: str, at: tuple[float, float] | None = None) -> None:
+    """Record the end of each setup step from now on (after those already recorded, by a spare
+    confined ahead), starting with `step`, which ended `at` (monotonic, CPU seconds; default
+    now). Benchmarks only."""
+    global _marks
+    if _marks is None:
+        _marks = []
+    if at is None:
+        mark(step)
+    else:
+        _marks.append((step, *at))
+
+
+def mark(step: str) -> None:
+    """Note that `step` just ended, when timings are on; nothing otherwise."""
+    if _marks is not None:
+        _marks.append((step, time.monotonic(), time.process_time()))
+
+
+def child_main(plan: ChildPlan, confinement: Confinement | None = None) -> NoReturn:
+    """Entry point right after fork, or in a spare confined ahead of its call (`confinement`,
+    from `confine_ahead` with the same layers); never returns."""
     own_pid = os.getpid()
+    if plan.timings and _marks is None:
+        start_timings("fork")
     try:
         if plan.process_group == "session":
             os.setsid()
@@ -145,13 +175,14 @@ def child_main(plan: ChildPlan) -> NoReturn:
         _arrange_fds(plan)
         if plan.worker_fork:
             forget_worker_secrets(plan.secret_holders)
+        mark("descriptors")
     except BaseException:  # noqa: BLE001 - nothing may unwind into the worker's stack
         os._exit(SETUP_FAILED_STATUS)
     # Inherited objects go to the permanent generation: a collection in the child then never walks
     # (and so never copies) the worker's whole heap. The child is short-lived, nothing leaks.
     gc.freeze()
     try:
-        outcome = _confine_and_run(plan)
+        outcome = _confine_and_run(plan, confinement)
     except BaseException as exc:  # noqa: BLE001
         outcome = HandlerOutcome(
             status="crashed",
@@ -313,12 +344,14 @@ def _apply_namespaces(plan: ChildPlan, applied: list[Layer], failures: dict[Laye
         except OSError as exc:
             failures.update((layer, f"user namespace: {exc}") for layer in wanted)
             return
+        mark("user namespace")
     if plan.disk_quota:
         try:
             disk.mount_workdir(plan.workdir, plan.profile.disk_mb, plan.hidden_paths)
             applied.append("disk")
         except OSError as exc:
             failures["disk"] = str(exc)
+        mark("mount namespace and tmpfs")
     namespaces: tuple[tuple[Layer, bool, int], ...] = (
         ("netns", plan.netns, CLONE_NEWNET),
         ("ipc", plan.ipc_namespace, CLONE_NEWIPC),
@@ -330,14 +363,35 @@ def _apply_namespaces(plan: ChildPlan, applied: list[Layer], failures: dict[Laye
                 applied.append(layer)
             except OSError as exc:
                 failures[layer] = str(exc)
+            mark(f"{layer} namespace")
     if unprivileged:
         drop_capabilities()  # raises rather than let the call run with them
 
 
-def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
+@dataclass
+class Confinement:
+    """The layers a child applied so far, and why the others failed."""
+
+    applied: list[Layer] = field(default_factory=list)
+    failures: dict[Layer, str] = field(default_factory=dict)
+    ahead: bool = False
+    """Applied ahead of the call, with every rlimit but RLIMIT_CPU."""
+
+
+def confine_ahead(plan: ChildPlan) -> Confinement:
+    """In a spare waiting for its call: apply every layer that does not depend on the call's
+    arguments (cgroup, namespaces and workdir tmpfs, uid, Landlock, seccomp), as `child_main`
+    would. Descriptors, environment, imports and rlimits follow when the call arrives
+    (`child_main(plan, confinement)`), before any of the tool's code runs."""
+    return _confine(plan, ahead=True)
+
+
+def _confine(plan: ChildPlan, ahead: bool = False) -> Confinement:
+    """The layers, in order; with `ahead`, without the call's own part (`_call_part`). Import
+    roots are then still at the descriptors inherited from the zygote."""
     profile = plan.profile
-    applied: list[Layer] = []
-    failures: dict[Layer, str] = {}
+    confinement = Confinement(ahead=ahead)
+    applied, failures = confinement.applied, confinement.failures
     if plan.cgroup_join:
         # First: everything the call does from here on counts against its cgroup's limits.
         try:
@@ -345,34 +399,31 @@ def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
             applied.append("cgroup")
         except OSError as exc:
             failures["cgroup"] = str(exc)
+        mark("cgroup join")
     _reset_process_state()
+    mark("signals and streams")
     _apply_namespaces(plan, applied, failures)
     os.chdir(plan.workdir)
-    _scrub_environment(plan)
-    if plan.drop_uid:
-        redirect_imports(
-            {root.path: FIRST_ROOT_FD + i for i, root in enumerate(plan.import_roots)}
-        )
-    apply_rlimits(
-        profile,
-        plan.timeout,
-        # Without a cgroup, RLIMIT_NPROC is what bounds the call's total memory, and it counts
-        # only this call's processes when the call has a uid of its own.
-        strict_processes="cgroup" not in applied and plan.drop_uid and profile.uid is None,
-    )
-    applied.append("rlimits")
+    if ahead:
+        # Both read /proc, which Landlock hides from here on.
+        _wipe_initial_block()
+        _apply_rlimits(plan, confinement, timeout=None)
+    else:
+        _call_part(plan, confinement)
     if plan.drop_uid:
         try:
             _drop_privileges(plan)
             applied.append("uid")
         except OSError as exc:
             failures["uid"] = str(exc)
+        mark("uid")
     # The kernel clears the parent-death signal on a uid change, so it is set afterwards; the
     # ppid check closes the race with a worker that died before this line.
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != plan.parent_pid:
         os._exit(0)
     prctl(PR_SET_NO_NEW_PRIVS, 1)
+    mark("parent-death signal")
     if plan.landlock_abi:
         try:
             parts = landlock.restrict_self(
@@ -382,7 +433,8 @@ def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
                     read_paths=plan.read_paths,
                     write_paths=(plan.workdir, *plan.write_paths),
                     read_fds=tuple(
-                        FIRST_ROOT_FD + i for i in range(len(plan.import_roots))
+                        root.fd if ahead else FIRST_ROOT_FD + i
+                        for i, root in enumerate(plan.import_roots)
                     ),
                     deny_tcp=not profile.network,
                     scope_signals=True,
@@ -393,12 +445,52 @@ def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
                 applied.append("landlock")
         except OSError as exc:
             failures["landlock"] = str(exc)
+        mark("landlock")
     if plan.seccomp_program is not None:
         try:
             load_seccomp_bpf(plan.seccomp_program)
             applied.append("seccomp")
         except OSError as exc:
             failures["seccomp"] = str(exc)
+        mark("seccomp")
+    return confinement
+
+
+def _call_part(plan: ChildPlan, confinement: Confinement) -> None:
+    """The layers that come with the call: its environment, import redirection and rlimits."""
+    _scrub_environment(plan)
+    if plan.drop_uid:
+        redirect_imports(
+            {root.path: FIRST_ROOT_FD + i for i, root in enumerate(plan.import_roots)}
+        )
+    mark("environment and imports")
+    if confinement.ahead:
+        apply_cpu_limit(plan.profile, plan.timeout)
+    else:
+        _apply_rlimits(plan, confinement, plan.timeout)
+    confinement.applied.append("rlimits")
+    mark("rlimits")
+
+
+def _apply_rlimits(plan: ChildPlan, confinement: Confinement, timeout: float | None) -> None:
+    profile = plan.profile
+    apply_rlimits(
+        profile,
+        timeout,
+        # Without a cgroup, RLIMIT_NPROC is what bounds the call's total memory, and it counts
+        # only this call's processes when the call has a uid of its own.
+        strict_processes="cgroup" not in confinement.applied
+        and plan.drop_uid
+        and profile.uid is None,
+    )
+
+
+def _confine_and_run(plan: ChildPlan, confinement: Confinement | None) -> HandlerOutcome:
+    if confinement is None:
+        confinement = _confine(plan)
+    else:
+        _call_part(plan, confinement)
+    applied, failures = confinement.applied, confinement.failures
     _write_all(encode_layers(applied))
     missing = sorted(layer for layer in plan.required if layer not in applied)
     if missing:
@@ -428,6 +520,7 @@ def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
             )
     else:
         args = plan.args
+    mark("arguments")
     try:
         outcome = call_handler(plan.spec, args, context)
     except SystemExit as exc:
@@ -441,6 +534,7 @@ def _confine_and_run(plan: ChildPlan) -> HandlerOutcome:
             status="error", error_type=type(exc).__name__, error_message=str(exc)
         )
     outcome.sandbox_layers = list(applied)
+    mark("handler")
     return outcome
 
 
@@ -480,6 +574,13 @@ def _send(outcome: HandlerOutcome) -> None:
         except (OSError, ValueError):
             pass
     body = outcome.model_dump_json().encode()
+    if _marks is not None:
+        mark("result encoded")
+        report = json.dumps(_marks).encode()
+        try:
+            os.write(2, TIMINGS_PREFIX + report + b"\n")
+        except OSError:
+            pass
     _write_all(RESULT_MAGIC + len(body).to_bytes(8, "big") + body)
 
 

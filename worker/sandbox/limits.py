@@ -42,16 +42,16 @@ def max_processes(profile: SandboxProfile, strict: bool) -> int:
 
 
 def apply_rlimits(
-    profile: SandboxProfile, timeout: float, strict_processes: bool = False
+    profile: SandboxProfile, timeout: float | None, strict_processes: bool = False
 ) -> None:
     """Set soft and hard limits; the hard ones cannot be raised again by the unprivileged child.
 
     `strict_processes`: the call has no cgroup but a uid of its own, so a low RLIMIT_NPROC
-    bounds its total memory (see `max_processes`).
+    bounds its total memory (see `max_processes`). `timeout` None: all but RLIMIT_CPU, which
+    `apply_cpu_limit` sets once the call's timeout is known (it needs no /proc).
     """
-    cpu = cpu_seconds(profile, timeout)
-    # Soft limit -> SIGXCPU, one second later the hard limit -> SIGKILL.
-    _set(resource.RLIMIT_CPU, cpu, cpu + 1)
+    if timeout is not None:
+        apply_cpu_limit(profile, timeout)
     address_space = mapped_bytes() + profile.memory_mb * MIB
     _set(resource.RLIMIT_AS, address_space, address_space)
     _set(resource.RLIMIT_NOFILE, profile.max_open_files, profile.max_open_files)
@@ -61,3 +61,9 @@ def apply_rlimits(
     _set(resource.RLIMIT_NPROC, processes, processes)
     # A crashing handler must not leave core files (possibly holding worker secrets) behind.
     _set(resource.RLIMIT_CORE, 0, 0)
+
+
+def apply_cpu_limit(profile: SandboxProfile, timeout: float) -> None:
+    """RLIMIT_CPU for the call (soft limit -> SIGXCPU, one second later the hard limit -> SIGKILL)."""
+    cpu = cpu_seconds(profile, timeout)
+    _set(resource.RLIMIT_CPU, cpu, cpu + 1)

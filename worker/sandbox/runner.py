@@ -55,19 +55,22 @@ from toolchord.worker.sandbox.read_paths import DEVICE_PATHS, code_read_paths
 from toolchord.worker.sandbox.scrub import secret_holders
 from toolchord.worker.sandbox.workdir import (
     Workdir,
+    configured_root_path,
     make_workdir,
     remove_workdir,
     remove_workdir_later,
 )
 from toolchord.worker.sandbox.zygote import (
     ZYGOTE_ENV,
+    Preparation,
+    ZygoteCall,
     ZygoteToolError,
     ZygoteUnavailable,
     locate,
     zygote_client,
     zygote_enabled,
 )
-from toolchord.worker.sandbox.zygote_protocol import CallPayload
+from toolchord.worker.sandbox.zygote_protocol import CallArguments, CallPayload, SpareLayers
 from toolchord.worker.tools import ToolSpec
 
 GRACE_SECONDS = 1.0
@@ -87,6 +90,14 @@ _warned_lock = threading.Lock()
 # to tear down a forked worker image costs a millisecond or more, so it happens off the call path.
 _unreaped: set[int] = set()
 _unreaped_lock = threading.Lock()
+_timings = False
+
+
+def report_setup_timings(enabled: bool) -> None:
+    """Benchmarks only: have children write when each setup step ended (child.TIMINGS_PREFIX) to
+    their captured stderr, which is in the outcome's `output`."""
+    global _timings
+    _timings = enabled
 
 
 def requested_layers(profile: SandboxProfile) -> frozenset[Layer]:
@@ -126,7 +137,6 @@ def run_isolated(
                 )
             return _run_in_process(spec, args, context)
         _reap_finished()
-        cgroup.remove_pending()
         caps = probe()
         missing_required = caps.missing(profile.required)
         if missing_required:
@@ -232,20 +242,119 @@ def _supervise(
     caps: SandboxCapabilities,
     direct_fork: DirectFork,
 ) -> HandlerOutcome:
-    workdir = make_workdir()
-    call_cgroup = _make_cgroup(spec.sandbox, caps)
+    resources = _CallResources(spec.sandbox, caps)
     watch: _Watch | None = None
     try:
-        watch = _start(
-            spec, args, context, limit, workdir.path, caps, call_cgroup, direct_fork
-        )
+        watch = _start(spec, args, context, limit, resources, direct_fork)
+        used = resources.used
         return watch.outcome(
-            _planned_layers(spec.sandbox, caps, with_cgroup=call_cgroup is not None)
+            _planned_layers(
+                spec.sandbox, caps, with_cgroup=used is not None and used.cgroup is not None
+            )
         )
     finally:
-        if call_cgroup is not None:
-            cgroup.release(call_cgroup)
-        _clean_up(watch, workdir, mounted="disk" in caps.available())
+        resources.release(watch, mounted="disk" in caps.available())
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A workdir and a cgroup made for one call (or for a spare ahead of its call), and the layers
+    planned with them."""
+
+    workdir: Workdir
+    cgroup: cgroup.CallCgroup | None
+    layers: _Layers
+
+    @classmethod
+    def make(cls, profile: SandboxProfile, caps: SandboxCapabilities) -> _Held:
+        workdir = make_workdir()
+        call_cgroup = _make_cgroup(profile, caps)
+        return cls(workdir, call_cgroup, _Layers.plan(profile, caps, call_cgroup, workdir.path))
+
+    def spare_layers(self, profile: SandboxProfile) -> SpareLayers:
+        """What a child applies with these, before the call's own part."""
+        layers = self.layers
+        return SpareLayers(
+            profile=profile,
+            workdir=self.workdir.path,
+            drop_uid=layers.drop_uid,
+            netns=layers.netns,
+            landlock_abi=layers.landlock_abi,
+            write_paths=layers.write_paths,
+            seccomp_program=layers.seccomp_program.hex() if layers.seccomp_program else None,
+            cgroup_join=layers.cgroup_join,
+            disk_quota=layers.disk_quota,
+            hidden_paths=layers.hidden_paths,
+            ipc_namespace=layers.ipc_namespace,
+            timings=_timings,
+        )
+
+    def release_later(self) -> None:
+        """Of a spare let go before its call (it may have mounted its tmpfs on the workdir)."""
+        if self.cgroup is not None:
+            cgroup.release_later(self.cgroup)
+        remove_workdir_later(self.workdir)
+
+
+class _CallResources:
+    """The workdir and cgroup of one call: those of the zygote spare that takes it when the spare
+    was confined for them ahead of the call, else made for the call."""
+
+    def __init__(self, profile: SandboxProfile, caps: SandboxCapabilities) -> None:
+        self.profile = profile
+        self.caps = caps
+        self.own: _Held | None = None
+        self.used: _Held | None = None
+
+    def for_spare(self, prepared: Preparation | None) -> _Held:
+        """What a spare prepared with `prepared` (None: not prepared) would run the call with."""
+        if prepared is not None and isinstance(prepared.held, _Held):
+            return prepared.held
+        if self.own is None:
+            self.own = _Held.make(self.profile, self.caps)
+        return self.own
+
+    def adopt(self, prepared: Preparation | None) -> _Held:
+        """The call runs with these (a spare's, or its own): released after it."""
+        self.used = self.for_spare(prepared)
+        return self.used
+
+    def release(self, watch: _Watch | None, mounted: bool) -> None:
+        """After the call; the cgroup's processes were killed when it ended, so removing it need
+        not delay the outcome."""
+        used, own = self.used, self.own
+        if used is not None:
+            if used.cgroup is not None:
+                cgroup.release_later(used.cgroup)
+            _clean_up(watch, used.workdir, mounted)
+        if own is not None and own is not used:
+            # Made for the call, which then went to a prepared spare (or never started).
+            if own.cgroup is not None:
+                cgroup.release_later(own.cgroup)
+            remove_workdir(own.workdir)
+
+
+def _spare_key(profile: SandboxProfile, caps: SandboxCapabilities) -> bytes:
+    """Which calls a spare confined ahead may run: those whose layers would be planned the same
+    way (same profile, same capabilities of this host, same sandbox root for the workdir)."""
+    global _caps_key
+    if _caps_key is None or _caps_key[0] is not caps:
+        _caps_key = (caps, caps.model_dump_json())  # holding caps keeps its id from being reused
+    return "\n".join((profile.model_dump_json(), _caps_key[1], configured_root_path())).encode()
+
+
+_caps_key: tuple[SandboxCapabilities, str] | None = None
+
+
+def _preparation(profile: SandboxProfile, caps: SandboxCapabilities, key: bytes) -> Preparation:
+    """A workdir, a cgroup and the layers with them, for a spare to apply ahead of its call."""
+    held = _Held.make(profile, caps)
+    return Preparation(
+        key=key,
+        message=held.spare_layers(profile).model_dump_json().encode(),
+        held=held,
+        release=held.release_later,
+    )
 
 
 def _make_cgroup(
@@ -442,26 +551,30 @@ def _start(
     args: BaseModel,
     context: ToolContext,
     limit: float,
-    workdir: str,
-    caps: SandboxCapabilities,
-    call_cgroup: cgroup.CallCgroup | None,
+    resources: _CallResources,
     direct_fork: DirectFork,
 ) -> _Watch:
-    layers = _Layers.plan(spec.sandbox, caps, call_cgroup, workdir)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     res_r, res_w = os.pipe2(os.O_CLOEXEC)
     ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
     child_fds = (out_w, res_w, ctl_r)
     try:
-        child = _start_in_zygote(spec, args, context, limit, workdir, layers, child_fds)
-        if isinstance(child, str):
+        started_in = _start_in_zygote(spec, args, context, limit, resources, child_fds)
+        child: _Child
+        if isinstance(started_in, str):
             if direct_fork == "refuse":
-                refused = DirectForkRefused(spec.name, child)
+                refused = DirectForkRefused(spec.name, started_in)
                 if _first_time(f"refused:{spec.name}"):
                     _log.error("%s", refused)
                 raise refused
-            _note_direct(spec, child)
-            child = _fork_worker(spec, args, context, limit, workdir, layers, child_fds)
+            _note_direct(spec, started_in)
+            held = resources.adopt(None)
+            child = _fork_worker(
+                spec, args, context, limit, held.workdir.path, held.layers, child_fds
+            )
+        else:
+            held = resources.adopt(started_in.prepared)
+            child = started_in
     except BaseException:
         for fd in (out_r, out_w, res_r, res_w, ctl_r, ctl_w):
             os.close(fd)
@@ -472,7 +585,7 @@ def _start(
     for fd in child_fds:
         os.close(fd)
     watch = _Watch(
-        child, out_r, res_r, ctl_w, spec, context, limit, started, call_cgroup
+        child, out_r, res_r, ctl_w, spec, context, limit, started, held.cgroup
     )
     try:
         watch.run()
@@ -487,13 +600,16 @@ def _start_in_zygote(
     args: BaseModel,
     context: ToolContext,
     limit: float,
-    workdir: str,
-    layers: _Layers,
+    resources: _CallResources,
     child_fds: tuple[int, int, int],
-) -> _Child | str:
+) -> ZygoteCall | str:
     """Hand the call to a child of the zygote; or why the zygote cannot run it (switched off, or
     a tool it cannot import or load). Raises ZygoteUnavailable when the zygote is down: the call
-    must then fail, never fall back to a fork of the worker."""
+    must then fail, never fall back to a fork of the worker.
+
+    A spare confined ahead for this profile runs the call with its own workdir and cgroup; once
+    the call is handed over, the other spares on offer are confined for the same profile in the
+    background, while this call runs (the next call most likely has the same profile)."""
     if not zygote_enabled():
         return f"the sandbox zygote is switched off ({ZYGOTE_ENV}=0)"
     locator = locate(spec)
@@ -507,35 +623,34 @@ def _start_in_zygote(
     if refused is not None:
         return refused
     profile = spec.sandbox
-    payload = CallPayload(
+    arguments = CallArguments(
         args_json=args.model_dump_json(round_trip=True),
         context=context,
-        profile=profile,
         timeout=limit,
-        workdir=workdir,
         # The zygote's environment is only the allow-list: the worker's values travel with the call.
         environment={
             name: os.environ[name] for name in profile.env_allow if name in os.environ
         },
-        drop_uid=layers.drop_uid,
-        netns=layers.netns,
-        landlock_abi=layers.landlock_abi,
-        write_paths=layers.write_paths,
-        seccomp_program=layers.seccomp_program.hex()
-        if layers.seccomp_program
-        else None,
-        cgroup_join=layers.cgroup_join,
-        disk_quota=layers.disk_quota,
-        hidden_paths=layers.hidden_paths,
-        ipc_namespace=layers.ipc_namespace,
+        timings=_timings,
     )
+
+    def payload(prepared: Preparation | None) -> bytes:
+        held = resources.for_spare(prepared)
+        if prepared is not None and held is prepared.held:
+            return arguments.model_dump_json().encode()  # the spare has its layers
+        layers = held.spare_layers(profile)
+        return CallPayload(**{**dict(layers), **dict(arguments)}).model_dump_json().encode()
+
+    profile_key = _spare_key(profile, resources.caps)
+    client = zygote_client()
     try:
-        return zygote_client().submit(
-            locator, payload.model_dump_json().encode(), child_fds
-        )
+        call = client.submit(locator, payload, child_fds, profile_key)
     except ZygoteToolError as exc:
         reason = _zygote_refused[key] = f"the zygote cannot load it: {exc}"
         return reason
+    caps = resources.caps
+    client.prepare_spares_later(profile_key, lambda: _preparation(profile, caps, profile_key))
+    return call
 
 
 def _fork_worker(
@@ -573,6 +688,7 @@ def _fork_worker(
         ipc_namespace=layers.ipc_namespace,
         worker_fork=True,
         secret_holders=secret_holders(),
+        timings=_timings,
     )
     pid = os.fork()
     if pid == 0:
@@ -698,8 +814,10 @@ class _Watch:
         # after its result) while the leader, alive or zombie, still holds the group id; then
         # take what was written before.
         self.child.kill_group(signal.SIGKILL)
-        if self.cgroup is not None:
-            # Also what left the group (a setsid'd grandchild where seccomp is off).
+        if self.cgroup is not None and "seccomp" not in (self.applied_layers or ()):
+            # Also what left the group (a setsid'd grandchild where seccomp is off). Under
+            # seccomp no process of the call can leave it (setsid and setpgid are refused): the
+            # cgroup's kill then waits for its removal, after the outcome is returned.
             self.cgroup.kill_all()
         self._check_memory()
         for fd in open_fds:

@@ -71,10 +71,15 @@ def default_root_path() -> str:
     return os.path.join(tempfile.gettempdir(), f"toolchord-sandbox-{os.geteuid()}")
 
 
+def configured_root_path() -> str:
+    """The sandbox root the settings name now (`$TOOLCHORD_SANDBOX_DIR` or the default)."""
+    return os.path.abspath(os.environ.get(WORKDIR_ROOT_ENV) or default_root_path())
+
+
 def sandbox_root() -> SandboxRoot:
     """This process's sandbox root, created and checked on first use."""
     global _root
-    path = os.path.abspath(os.environ.get(WORKDIR_ROOT_ENV) or default_root_path())
+    path = configured_root_path()
     owner = (os.getpid(), os.geteuid(), path)
     with _lock:
         if _root is None or _root.owner != owner:

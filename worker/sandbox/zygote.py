@@ -20,6 +20,7 @@ within DEATH_WINDOW_SECONDS is not restarted until the window has passed (calls 
 from __future__ import annotations
 
 import array
+import atexit
 import logging
 import os
 import select
@@ -30,8 +31,9 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import NoReturn
 
 from toolchord.worker.registry import Registry
@@ -82,6 +84,18 @@ class _ZygoteLost(Exception):
     """The zygote died or stopped answering."""
 
 
+@dataclass
+class Preparation:
+    """Layers sent to a spare ahead of its call (`SpareLayers` JSON), the calls that may use it
+    (`key`: their sandbox profile), and what the worker made for it (its workdir and cgroup,
+    `held`), released with `release` unless a call took the spare."""
+
+    key: bytes
+    message: bytes
+    held: object
+    release: Callable[[], None]
+
+
 class _Spare:
     """A child the zygote forked ahead of its call: its pid, call socket and status socket."""
 
@@ -92,9 +106,16 @@ class _Spare:
         self.generation = generation
         self.call = call
         self.status = status
+        self.prepared: Preparation | None = None
 
     def close(self) -> None:
-        """Let the spare go: it exits at end of file on its call socket."""
+        """Let the spare go: it exits at end of file on its call socket (or with its cgroup)."""
+        self.close_sockets()
+        prepared, self.prepared = self.prepared, None
+        if prepared is not None:
+            prepared.release()
+
+    def close_sockets(self) -> None:
         self.call.close()
         self.status.close()
 
@@ -131,10 +152,11 @@ class _Connection:
             pass
 
     def abandon(self) -> None:
-        """In a forked child: close the inherited sockets (no locks: other threads are gone)."""
+        """In a forked child: close the inherited sockets (no locks: other threads are gone); the
+        spares' workdirs and cgroups stay the parent's."""
         self.sock.close()
         for spare in self._spares:
-            spare.close()
+            spare.close_sockets()
 
     def describe_end(self) -> str:
         code = self.process.poll()
@@ -181,19 +203,24 @@ class _Connection:
         self.loaded[key] = answer.generation
         return answer.generation
 
-    def take_spare(self, generation: int) -> _Spare:
-        """A spare that has the tool's module (asking for more when there is none)."""
+    def take_spare(self, generation: int, key: bytes) -> _Spare:
+        """A spare that has the tool's module and is not confined for other calls than those of
+        `key` (asking for more when there is none)."""
         with self._spare_lock:
             deadline = time.monotonic() + REPLY_SECONDS
             while True:
                 while self._spares:
                     spare = self._spares.popleft()
-                    if spare.generation >= generation:
+                    if spare.generation >= generation and (
+                        spare.prepared is None or spare.prepared.key == key
+                    ):
                         # Ask for the replacement now: it has until the call after next to
                         # be forked and warmed up.
                         self._replenish()
                         return spare
-                    spare.close()  # forked before the tool's module was imported
+                    # Forked before the tool's module was imported, or confined for a profile
+                    # other than this call's.
+                    spare.close()
                 self._replenish()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -201,6 +228,35 @@ class _Connection:
                         f"no spare child was offered within {REPLY_SECONDS:g} s"
                     )
                 self._receive_offer(remaining)
+
+    def prepare_spares(self, key: bytes, prepare: Callable[[], Preparation]) -> None:
+        """Send layers made by `prepare` to every spare that has none yet, those asked for and
+        not offered yet included (waiting for them at most REPLY_SECONDS)."""
+        deadline = time.monotonic() + REPLY_SECONDS
+        while True:
+            with self._spare_lock:
+                try:
+                    while select.select([self.sock], [], [], 0)[0]:
+                        self._receive_offer(0)
+                except (_ZygoteLost, OSError, ValueError):
+                    return  # the next call finds out and starts a new zygote
+                for spare in [s for s in self._spares if s.prepared is None]:
+                    preparation = prepare()
+                    spare.prepared = preparation
+                    try:
+                        spare.call.send(preparation.message)
+                    except OSError:
+                        self._spares.remove(spare)
+                        spare.close()
+                waiting = self._pending > 0
+            remaining = deadline - time.monotonic()
+            if not waiting or remaining <= 0:
+                return
+            try:
+                # Outside the lock: a call may take a spare meanwhile.
+                select.select([self.sock], [], [], remaining)
+            except (OSError, ValueError):
+                return
 
     def _replenish(self) -> None:
         missing = SPARES - len(self._spares) - self._pending
@@ -260,6 +316,8 @@ class ZygoteCall:
         self.pid = pid
         self.wait_status: int | None = None
         self.end_detail: str | None = None
+        self.prepared: Preparation | None = None
+        """What the spare was prepared with (its workdir and cgroup are the call's)."""
         sock.setblocking(False)
 
     @property
@@ -333,6 +391,10 @@ class ZygoteClient:
         self._starter = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="toolchord-zygote"
         )
+        self._preparer = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="toolchord-spares"
+        )
+        self._stops_at_exit = False
 
     @property
     def pid(self) -> int | None:
@@ -358,26 +420,42 @@ class ZygoteClient:
             self._modules.update(modules)
 
     def submit(
-        self, locator: ToolLocator, payload: bytes, child_fds: tuple[int, int, int]
+        self,
+        locator: ToolLocator,
+        payload: Callable[[Preparation | None], bytes],
+        child_fds: tuple[int, int, int],
+        profile_key: bytes = b"",
     ) -> ZygoteCall:
         """Hand one call to a spare child of the zygote and return the running call.
 
-        Raises ZygoteUnavailable when the zygote cannot run now or was lost before the call
-        reached a child (the call did not run; the next call starts a new zygote), and
-        ZygoteToolError when the zygote cannot load the tool.
+        `payload` gives the call's payload for the spare it is handed to, from what that spare
+        was prepared with (None: nothing, the call brings its own workdir and cgroup); a spare
+        prepared for another `profile_key` is let go. The running call's `prepared` is then the
+        call's to release. Raises ZygoteUnavailable when the zygote cannot run now or was lost
+        before the call reached a child (the call did not run; the next call starts a new
+        zygote), and ZygoteToolError when the zygote cannot load the tool.
         """
         connection = self._running()
         key = locator.model_dump_json().encode()
-        memfd = os.memfd_create("toolchord-call", os.MFD_CLOEXEC)
         try:
-            _write_all(memfd, payload)
             generation = connection.loaded.get(key)
             if generation is None:
                 generation = connection.load(locator, key)
             # A spare that died while waiting (killed by another call of the same user) refuses
             # the call: the next one is tried, a fresh one is offered within REPLY_SECONDS.
             for _ in range(SPARES + 1):
-                spare = connection.take_spare(generation)
+                spare = connection.take_spare(generation, profile_key)
+                try:
+                    # Failures here (no workdir, no memfd) are the worker's, not the spare's.
+                    memfd = os.memfd_create("toolchord-call", os.MFD_CLOEXEC)
+                    try:
+                        _write_all(memfd, payload(spare.prepared))
+                    except BaseException:
+                        os.close(memfd)
+                        raise
+                except BaseException:
+                    spare.close()
+                    raise
                 try:
                     spare.call.sendmsg(
                         [key],
@@ -390,6 +468,7 @@ class ZygoteClient:
                         ],
                     )
                 except OSError as exc:
+                    os.close(memfd)
                     spare.close()
                     if not connection.alive():
                         raise _ZygoteLost(
@@ -401,17 +480,36 @@ class ZygoteClient:
                         exc,
                     )
                     continue
-                finally:
-                    spare.call.close()
-                return ZygoteCall(self, connection, spare.status, spare.pid)
+                except BaseException:
+                    os.close(memfd)
+                    spare.close()
+                    raise
+                os.close(memfd)
+                spare.call.close()
+                call = ZygoteCall(self, connection, spare.status, spare.pid)
+                call.prepared, spare.prepared = spare.prepared, None
+                return call
             raise _ZygoteLost(f"{SPARES + 1} spare children in a row refused a call")
         except _ZygoteLost as exc:
             self.lost(connection, str(exc))
             raise ZygoteUnavailable(
                 f"the sandbox zygote was lost before the call reached a child: {exc}"
             ) from exc
-        finally:
-            os.close(memfd)
+
+    def prepare_spares_later(self, profile_key: bytes, prepare: Callable[[], Preparation]) -> None:
+        """Have the spares on offer confined ahead of their calls for calls of `profile_key`,
+        from a background thread, while the call that asks runs."""
+        connection = self._connection
+        if connection is None:
+            return
+        if not self._stops_at_exit:
+            # Registered after the workdir and cgroup modules' own exit hooks, so it runs before
+            # them: the spares' workdirs and cgroups are released, then removed.
+            atexit.register(self.stop)
+            self._stops_at_exit = True
+        self._preparer.submit(connection.prepare_spares, profile_key, prepare).add_done_callback(
+            _log_preparation_failure
+        )
 
     def lost(self, connection: _Connection, reason: str) -> None:
         """Forget a zygote that died or stopped answering; the next call starts a new one."""
@@ -563,6 +661,14 @@ class ZygoteClient:
             ", in a pid namespace of its own" if in_namespace else "",
         )
         return connection
+
+
+def _log_preparation_failure(done: Future[None]) -> None:
+    """Spares that could not be confined ahead leave their calls to confine themselves: say why."""
+    error = done.exception()
+    if error is not None:
+        _log.warning("sandbox spares could not be confined ahead of their calls: %s: %s",
+                     type(error).__name__, error)
 
 
 def _configured_modules() -> list[str]:

@@ -6,7 +6,10 @@ All sockets are SOCK_SEQPACKET pairs, so every message arrives whole.
   worker sends `ZygoteRequest`s: fork spare children, or load a tool (with a reply socket as
   SCM_RIGHTS, answered by a `LoadReply`). For each spare the zygote sends a `SpareOffer` carrying
   two descriptors: the spare's call socket and its status socket.
-- Call socket (worker -> spare): the tool's `ToolLocator`, with the child ends of the output,
+- Call socket (worker -> spare): first, optionally, a `SpareLayers` without descriptors: the
+  spare confines itself ahead of its call (cgroup, namespaces, workdir tmpfs, uid, Landlock,
+  seccomp), and its call's memfd then holds only the `CallArguments`. Then the tool's
+  `ToolLocator`, with the child ends of the output,
   result and cancel pipes and a memfd holding the `CallPayload`. The payload (arguments, context,
   the allowed environment values) is only ever read by the child that runs the call, so no call's
   data sits in the zygote's memory where a later child could find it.
@@ -96,17 +99,12 @@ class LoadReply(BaseModel):
     error: str | None = None
 
 
-class CallPayload(BaseModel):
-    """One call, as the worker prepared it; read by the forked child only."""
+class SpareLayers(BaseModel):
+    """The layers of a call that do not depend on its arguments: what a spare can apply before
+    its call arrives (`CallPayload` carries them too)."""
 
-    args_json: str
-    context: ToolContext
     profile: SandboxProfile
-    timeout: float
     workdir: str
-    environment: dict[str, str] = Field(
-        description="The worker's values of the profile's env_allow variables."
-    )
     drop_uid: bool
     netns: bool
     landlock_abi: int
@@ -126,6 +124,30 @@ class CallPayload(BaseModel):
     ipc_namespace: bool = Field(
         default=False, description="Give the call an IPC namespace of its own."
     )
+    timings: bool = Field(
+        default=False,
+        description="Benchmarks only: the child reports when each setup step ended (child.TIMINGS_PREFIX).",
+    )
+
+
+class CallArguments(BaseModel):
+    """The part of a call that only the call has: all a spare confined ahead is sent."""
+
+    args_json: str
+    context: ToolContext
+    timeout: float
+    environment: dict[str, str] = Field(
+        description="The worker's values of the profile's env_allow variables."
+    )
+    timings: bool = Field(
+        default=False,
+        description="Benchmarks only: the child reports when each setup step ended (child.TIMINGS_PREFIX).",
+    )
+
+
+class CallPayload(SpareLayers, CallArguments):
+    """One call, as the worker prepared it, for a spare not confined ahead; read by the forked
+    child only."""
 
 
 class ZygoteReply(BaseModel):

@@ -35,13 +35,22 @@ import selectors
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NoReturn
 
 from toolchord.worker.context import ToolContext
 from toolchord.worker.registry import Registry
-from toolchord.worker.sandbox.child import SETUP_FAILED_STATUS, ChildPlan, child_main, rehearse
+from toolchord.worker.sandbox.child import (
+    SETUP_FAILED_STATUS,
+    ChildPlan,
+    child_main,
+    confine_ahead,
+    mark,
+    rehearse,
+    start_timings,
+)
 from toolchord.worker.sandbox.import_paths import ImportRoot, private_import_roots
 from toolchord.worker.sandbox.profile import SandboxProfile
 from toolchord.worker.sandbox.read_paths import code_read_paths
@@ -58,8 +67,10 @@ from toolchord.worker.sandbox.syscalls import (
 from toolchord.worker.sandbox.zygote_protocol import (
     CALL_FD_COUNT,
     MAX_MESSAGE_BYTES,
+    CallArguments,
     CallPayload,
     LoadReply,
+    SpareLayers,
     SpareOffer,
     ToolLocator,
     ZygoteInit,
@@ -523,19 +534,38 @@ def _spare_main(
         if os.getppid() != zygote_pid:
             os._exit(0)
         _rehearse_until_called(sock, read_paths, roots, zygote_pid)
-        fds = array.array("i")
-        message, ancillary, _flags, _address = sock.recvmsg(
-            MAX_MESSAGE_BYTES, socket.CMSG_SPACE(CALL_FD_COUNT * fds.itemsize)
-        )
-        if not message:
-            os._exit(0)  # the worker let this spare go (it lacked a tool loaded since)
-        for level, kind, data in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        message, fds = _receive_call(sock)
+        prepared: SpareLayers | None = None
+        confinement = None
+        if not fds:
+            # Layers to apply ahead of the call; the call itself comes next.
+            prepared = SpareLayers.model_validate_json(message)
+            if prepared.timings:
+                start_timings("layers received")
+            confinement = confine_ahead(
+                _plan(
+                    _REHEARSAL_TOOL,
+                    CallPayload.model_validate_json(_SAMPLE_PAYLOAD).model_copy(
+                        update=dict(prepared)
+                    ),
+                    (-1, -1, -1),
+                    read_paths,
+                    roots,
+                    zygote_pid,
+                )
+            )
+            message, fds = _receive_call(sock)
+        received = (time.monotonic(), time.process_time())
+        if len(fds) != CALL_FD_COUNT:
+            os._exit(SETUP_FAILED_STATUS)
         output_fd, result_fd, control_fd, payload_fd = fds
-        payload = CallPayload.model_validate_json(
-            os.pread(payload_fd, os.fstat(payload_fd).st_size, 0)
-        )
+        raw = os.pread(payload_fd, os.fstat(payload_fd).st_size, 0)
+        if prepared is None:
+            payload = CallPayload.model_validate_json(raw)
+        else:
+            # The worker chose this spare for layers planned as the call's would be.
+            arguments = CallArguments.model_validate_json(raw)
+            payload = CallPayload.model_construct(**{**dict(prepared), **dict(arguments)})
         plan = _plan(
             resolve(message),
             payload,
@@ -544,11 +574,30 @@ def _spare_main(
             roots,
             zygote_pid,
         )
-        if in_call_namespace:
+        if in_call_namespace or confinement is not None:
+            # Its group is set up already (and seccomp, applied ahead, refuses setpgid).
             plan = replace(plan, process_group="inherited")
+        if payload.timings:
+            start_timings("call received", received)
+            mark("payload read")
     except BaseException:  # noqa: BLE001 - nothing may unwind into the zygote's loop
         os._exit(SETUP_FAILED_STATUS)
-    child_main(plan)
+    child_main(plan, confinement)
+
+
+def _receive_call(sock: socket.socket) -> tuple[bytes, array.array[int]]:
+    """The next message on the call socket and the descriptors it carries; exits at end of file
+    (the worker let this spare go: it lacked a tool loaded since, or its layers did not fit)."""
+    fds = array.array("i")
+    message, ancillary, _flags, _address = sock.recvmsg(
+        MAX_MESSAGE_BYTES, socket.CMSG_SPACE(CALL_FD_COUNT * fds.itemsize)
+    )
+    if not message:
+        os._exit(0)
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return message, fds
 
 
 class _CallArrived(BaseException):
@@ -579,6 +628,7 @@ def _rehearse_until_called(
     try:
         if not select.select([sock], [], [], 0)[0]:
             sample = CallPayload.model_validate_json(_SAMPLE_PAYLOAD)
+            CallArguments.model_validate_json(_SAMPLE_PAYLOAD)  # what a confined spare reads
             rehearse(
                 _plan(
                     _REHEARSAL_TOOL, sample, (-1, -1, -1), read_paths, roots, zygote_pid
@@ -627,6 +677,7 @@ def _plan(
         disk_quota=payload.disk_quota,
         hidden_paths=payload.hidden_paths,
         ipc_namespace=payload.ipc_namespace,
+        timings=payload.timings,
         # Already a group leader, in the zygote's session, which has no controlling terminal.
         process_group="own",
     )
