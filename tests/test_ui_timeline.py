@@ -248,3 +248,76 @@ def test_a_call_waiting_for_its_limit_is_drawn_as_waiting_with_the_limit_s_name(
         assert sum("waited for limit tc-test-lane" in title for title in titles) == 1, titles
     finally:
         server.stop()
+
+
+def _eager_turn(redis_url: str, session_id: str) -> None:
+    """A streamed turn (chat, the real SDK client): a read call starts while the message streams on
+    for three more seconds, an unsafe one only after it ended."""
+    script = [ScriptedTurn(calls=[ScriptedCall(name="stamp_read", arguments={"key": f"{session_id}-r", "seconds": 1.0}),
+                                  ScriptedCall(name="stamp_unsafe", arguments={"key": f"{session_id}-u",
+                                                                                "seconds": 0.5})],
+                           stream_seconds=0.5, tail_seconds=3.0),
+              ScriptedTurn(text="Done.")]
+    runtime = orchestrator(redis_url)
+    with ScriptedModelServer(script) as model:
+        agent = Agent(runtime.registry, model="scripted", base_url=model.base_url + "/v1", api_key="-",
+                      orchestrator=runtime, event_log=RedisEventLog(redis_url), stream=True)
+        assert agent.run("go", session_id=session_id).stop_reason == "final"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_an_eager_turn_s_view_has_its_message_end_after_the_early_call_s_start(
+        start_worker, redis_url, clean_redis) -> None:
+    from toolchord.orchestrator.ui import session_view
+
+    start_worker(TOOLS)
+    _eager_turn(redis_url, "ui-eager")
+    (view,) = session_view(RedisEventLog(redis_url), "ui-eager", clean_redis).turns
+    read, unsafe = view.calls
+    assert view.message_ended_at is not None and read.started_at is not None and unsafe.started_at is not None
+    (read_start,) = [float(v) for v in clean_redis.lrange("tc-test:starts:ui-eager-r", 0, -1)]
+    # The read call ran while the model still streamed; the unsafe one waited for the message's end.
+    assert read.sent_early and read_start < view.message_ended_at
+    assert read.queued_at is not None and read.queued_at <= read.started_at < view.message_ended_at
+    assert not unsafe.sent_early and unsafe.started_at > view.message_ended_at
+    assert (read.code, unsafe.code) == ("ok", "ok")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_page_draws_the_message_end_and_the_early_call_left_of_it(
+        start_worker, redis_url, clean_redis, tmp_path: Path, browser_page) -> None:
+    """The screenshot lands in the test's directory (and at $TC_UI_EAGER_SCREENSHOT when set:
+    docs/ui-timeline-eager.png)."""
+    start_worker(TOOLS, name="eager-worker")
+    _eager_turn(redis_url, "ui-eager-page")
+    server = TimelineServer(RedisEventLog(redis_url), clean_redis, port=0)
+    server.start()
+    page = browser_page
+    try:
+        page.goto(server.url + "#ui-eager-page")
+        page.wait_for_function("() => [...document.querySelectorAll('section.turn .label .code')].filter("
+                               "e => e.textContent === 'ok').length === 2", timeout=30_000)
+        # One line per track and one on the axis, all at the same place.
+        markers = page.locator("section.turn .msg-end")
+        assert markers.count() == 3
+        assert page.locator("section.turn .axis .msg-end-label").inner_text() == "message ended"
+        lines = {round(box["x"]) for box in markers.evaluate_all(
+            "ms => ms.map(m => m.getBoundingClientRect().toJSON())")}
+        assert len(lines) == 1, lines
+        (line,) = lines
+        early = page.locator("section.turn .track.eager")
+        assert early.count() == 1 and "sent while streaming" in (early.get_attribute("title") or "")
+        ran = early.locator(".bar.code-ok")
+        assert "sent while streaming" in (ran.get_attribute("title") or "")
+        assert ran.bounding_box()["x"] < line  # started before the message ended
+        after = page.locator("section.turn .track:not(.eager) .bar.code-ok")
+        assert after.bounding_box()["x"] > line  # the unsafe call: only once it had ended
+        assert page.locator(".legend i.msg-end-key").count() == 1 and page.locator(".legend i.eager").count() == 1
+        shot = tmp_path / "ui-timeline-eager.png"
+        page.screenshot(path=str(shot), full_page=True)
+        if os.environ.get("TC_UI_EAGER_SCREENSHOT"):
+            shutil.copy(shot, os.environ["TC_UI_EAGER_SCREENSHOT"])
+    finally:
+        server.stop()

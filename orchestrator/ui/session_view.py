@@ -1,7 +1,8 @@
 """What the timeline page shows, assembled from the event log, the turn records and call timings.
 
-The event log gives each turn's calls in model order, the dispatch time and the results the model
-got; the workers' call timings (toolchord.worker.observability.call_timeline) give when and where each call
+The event log gives each turn's calls in model order, the dispatch time, the results the model
+got and, for a streamed turn, when its message ended and which calls were sent before that (eager
+dispatch); the workers' call timings (toolchord.worker.observability.call_timeline) give when and where each call
 ran; the turn record gives the idempotency keys of calls that never reached a worker.
 """
 
@@ -10,10 +11,18 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from toolchord.orchestrator.event_stores import EventLog, JsonlEventLog, RedisEventLog
-from toolchord.orchestrator.events import CallParsed, CallResult, LateResult, ModelOutput, TurnDispatched
+from toolchord.orchestrator.events import (
+    CallParsed,
+    CallResult,
+    CallSentEarly,
+    LateResult,
+    MessageEnded,
+    ModelOutput,
+    TurnDispatched,
+)
 from toolchord.orchestrator.turn_store import RedisTurnStore
 from toolchord.worker.observability.call_timeline import TIMELINE_DIR, CallTiming, read_timing_file, read_timings
 
@@ -40,6 +49,8 @@ class CallBar(BaseModel):
     late_code: str | None = None
     waiting_for: str | None = None
     waiting_since: float | None = None
+    sent_early: bool = Field(default=False, description="Sent while its message still streamed (eager "
+                             "dispatch); queued from then on.")
 
 
 class TurnView(BaseModel):
@@ -47,6 +58,8 @@ class TurnView(BaseModel):
     started_at: float
     dispatched_at: float | None = None
     finished_at: float | None = None
+    message_ended_at: float | None = Field(default=None, description="When the model's streamed message ended; "
+                                           "None for a turn whose message was not streamed.")
     calls: list[CallBar]
 
 
@@ -96,7 +109,8 @@ def _apply_timing(bar: CallBar, timing: CallTiming) -> None:
     bar.first_started_at = timing.first_started_at
     bar.worker = timing.worker
     bar.attempts = max(bar.attempts, timing.attempts)
-    if bar.queued_at is None:
+    if bar.queued_at is None or (bar.sent_early and timing.published_at is not None):
+        # An early call is logged as sent once its publish returned: the publish time is its queue start.
         bar.queued_at = timing.published_at
     if timing.phase == "done":
         bar.finished_at = timing.finished_at
@@ -112,9 +126,17 @@ def session_view(log: EventLog, session_id: str, redis_client: Any | None = None
     """Every turn of the session with its calls as bars; live while calls run."""
     turns: dict[str, TurnView] = {}
     bars: dict[tuple[str, str], CallBar] = {}
+    # A streamed turn logs its early calls and its message's end before its model output.
+    sent_early: dict[tuple[str, str], float] = {}
+    ended: dict[str, float] = {}
     for event in log.read(session_id):
-        if isinstance(event, ModelOutput) and event.call_ids:
-            turns[event.turn_id] = TurnView(turn_id=event.turn_id, started_at=event.ts, calls=[])
+        if isinstance(event, CallSentEarly):
+            sent_early[(event.turn_id, event.call_id)] = event.ts
+        elif isinstance(event, MessageEnded):
+            ended[event.turn_id] = event.ts
+        elif isinstance(event, ModelOutput) and event.call_ids:
+            turns[event.turn_id] = TurnView(turn_id=event.turn_id, started_at=event.ts,
+                                            message_ended_at=ended.get(event.turn_id), calls=[])
         elif isinstance(event, CallParsed) and event.turn_id in turns:
             parsed = CallBar(call_id=event.call.id, tool=event.call.name, side_effect=event.side_effect)
             bars[(event.turn_id, event.call.id)] = parsed
@@ -123,7 +145,9 @@ def session_view(log: EventLog, session_id: str, redis_client: Any | None = None
             turns[event.turn_id].dispatched_at = event.ts
             for call_id in event.call_ids:
                 if (queued := bars.get((event.turn_id, call_id))) is not None:
-                    queued.queued_at = event.ts
+                    sent_at = sent_early.get((event.turn_id, call_id))
+                    queued.sent_early = sent_at is not None
+                    queued.queued_at = sent_at if sent_at is not None else event.ts
         elif isinstance(event, CallResult) and (bar := bars.get((event.turn_id, event.result.call_id))):
             # The result the model got is the final word (a worker may have stored another later).
             bar.code, bar.phase = _code(event.result), "done"
