@@ -12,7 +12,7 @@ import redis
 
 from tests.cluster_helpers import TOOLS, effects, orchestrator
 from toolchord.orchestrator import Agent
-from toolchord.orchestrator.event_stores import JsonlEventLog
+from toolchord.orchestrator.event_stores import JsonlEventLog, RedisEventLog
 from toolchord.orchestrator.events import CallSentEarly, MessageEnded, ModelOutput
 from toolchord.orchestrator.model_clients import ModelError
 from toolchord.orchestrator.request_builder import RequestBuilder
@@ -31,6 +31,19 @@ def _agent(server: ScriptedModelServer, provider: Provider, url: str, log: Jsonl
     base = server.base_url if provider == "anthropic" else server.base_url + "/v1"
     return Agent(runtime.registry, model="scripted", provider=provider, base_url=base, api_key="-",
                  orchestrator=runtime, event_log=log, stream=True, **options)
+
+
+def one_eager_turn(redis_url: str, session_id: str) -> None:
+    """A streamed turn (chat, the real SDK client): a read call starts while the message streams on
+    for three more seconds, an unsafe one only after it ended."""
+    calls = [ScriptedCall(name="stamp_read", arguments={"key": f"{session_id}-r", "seconds": 1.0}),
+             ScriptedCall(name="stamp_unsafe", arguments={"key": f"{session_id}-u", "seconds": 0.5})]
+    script = [ScriptedTurn(calls=calls, stream_seconds=0.5, tail_seconds=3.0), ScriptedTurn(text="Done.")]
+    runtime = orchestrator(redis_url)
+    with ScriptedModelServer(script) as model:
+        agent = Agent(runtime.registry, model="scripted", base_url=model.base_url + "/v1", api_key="-",
+                      orchestrator=runtime, event_log=RedisEventLog(redis_url), stream=True)
+        assert agent.run("go", session_id=session_id).stop_reason == "final"
 
 
 @pytest.mark.timeout(180)

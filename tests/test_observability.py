@@ -6,11 +6,13 @@ its spans as JSON lines to TOOLCHORD_TRACE_FILE and serves its metrics over HTTP
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
 import threading
 import urllib.request
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -228,3 +230,39 @@ def test_without_the_extras_every_hook_is_a_no_op(tmp_path: Path) -> None:
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "ok", done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def _ns(iso: str) -> int:
+    """A JSON-lines span time (ISO 8601, UTC, microseconds) in nanoseconds since the epoch."""
+    when = datetime.fromisoformat(iso)
+    return calendar.timegm(when.utctimetuple()) * 1_000_000_000 + when.microsecond * 1_000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_an_early_call_s_worker_span_starts_before_its_turn_s_message_ended(
+    start_worker, redis_url, tmp_path: Path, spans: InMemorySpanExporter
+) -> None:
+    from tests.test_eager_dispatch import one_eager_turn
+
+    trace_file = tmp_path / "worker-spans.jsonl"
+    start_worker(TOOLS, TOOLCHORD_TRACE_FILE=str(trace_file))
+    spans.clear()
+    one_eager_turn(redis_url, "s-eager-trace")
+
+    # Each streamed message has its turn span: the one with the calls, then the final answer's.
+    ends = [(s, e) for s in spans.get_finished_spans() if s.name == "toolchord.turn"
+            for e in s.events if e.name == "toolchord.message_ended"]
+    assert [dict(e.attributes or {}) for _, e in ends] == [
+        {"toolchord.complete": True, "toolchord.sent_early": 1}, {"toolchord.complete": True, "toolchord.sent_early": 0}]
+    turn_span, ended = ends[0]
+    turn_span_id = f"0x{turn_span.context.span_id:016x}"
+
+    def call_spans() -> dict[str, dict[str, Any]]:
+        return {s["attributes"]["toolchord.tool"]: s for s in _worker_spans(trace_file)
+                if s["name"] == "toolchord.call" and s["parent_id"] == turn_span_id}
+
+    wait_for(lambda: len(call_spans()) == 2, 30, "both calls' spans")
+    found = call_spans()
+    # Both calls are children of the one turn span: the early one started while the model streamed.
+    assert _ns(found["stamp_read"]["start_time"]) < ended.timestamp < _ns(found["stamp_unsafe"]["start_time"])

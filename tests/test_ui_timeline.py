@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.cluster_helpers import TOOLS, orchestrator, run_in_thread
+from tests.test_eager_dispatch import one_eager_turn
 from toolchord.orchestrator.agent import Agent
 from toolchord.orchestrator.event_stores import RedisEventLog
 from toolchord.orchestrator.ui import TimelineServer
@@ -250,21 +251,6 @@ def test_a_call_waiting_for_its_limit_is_drawn_as_waiting_with_the_limit_s_name(
         server.stop()
 
 
-def _eager_turn(redis_url: str, session_id: str) -> None:
-    """A streamed turn (chat, the real SDK client): a read call starts while the message streams on
-    for three more seconds, an unsafe one only after it ended."""
-    script = [ScriptedTurn(calls=[ScriptedCall(name="stamp_read", arguments={"key": f"{session_id}-r", "seconds": 1.0}),
-                                  ScriptedCall(name="stamp_unsafe", arguments={"key": f"{session_id}-u",
-                                                                                "seconds": 0.5})],
-                           stream_seconds=0.5, tail_seconds=3.0),
-              ScriptedTurn(text="Done.")]
-    runtime = orchestrator(redis_url)
-    with ScriptedModelServer(script) as model:
-        agent = Agent(runtime.registry, model="scripted", base_url=model.base_url + "/v1", api_key="-",
-                      orchestrator=runtime, event_log=RedisEventLog(redis_url), stream=True)
-        assert agent.run("go", session_id=session_id).stop_reason == "final"
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_an_eager_turn_s_view_has_its_message_end_after_the_early_call_s_start(
@@ -272,7 +258,7 @@ def test_an_eager_turn_s_view_has_its_message_end_after_the_early_call_s_start(
     from toolchord.orchestrator.ui import session_view
 
     start_worker(TOOLS)
-    _eager_turn(redis_url, "ui-eager")
+    one_eager_turn(redis_url, "ui-eager")
     (view,) = session_view(RedisEventLog(redis_url), "ui-eager", clean_redis).turns
     read, unsafe = view.calls
     assert view.message_ended_at is not None and read.started_at is not None and unsafe.started_at is not None
@@ -291,7 +277,7 @@ def test_the_page_draws_the_message_end_and_the_early_call_left_of_it(
     """The screenshot lands in the test's directory (and at $TC_UI_EAGER_SCREENSHOT when set:
     docs/ui-timeline-eager.png)."""
     start_worker(TOOLS, name="eager-worker")
-    _eager_turn(redis_url, "ui-eager-page")
+    one_eager_turn(redis_url, "ui-eager-page")
     server = TimelineServer(RedisEventLog(redis_url), clean_redis, port=0)
     server.start()
     page = browser_page
