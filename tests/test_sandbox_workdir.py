@@ -34,6 +34,9 @@ def run(spec: ToolSpec, **arguments: Any) -> HandlerOutcome:
 @pytest.fixture
 def host_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A fake host /tmp (mode 1777), reachable by any uid, used as the system temporary directory."""
+    # An earlier test's zygote confines its next spares in the background: let them go first, or
+    # one would make its workdir under this test's fake /tmp.
+    without_spares()
     path = Path(tempfile.mkdtemp(prefix="tc-host-tmp-"))
     path.chmod(0o1777)
     monkeypatch.delenv(WORKDIR_ROOT_ENV, raising=False)
