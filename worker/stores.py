@@ -35,7 +35,8 @@ def stores_for(settings: Settings) -> WorkerStores:
     if settings.redis_url is None:
         return WorkerStores(None, ObservedStore(MemoryIdempotencyStore()), MemorySpillStore())
     client = settings.redis_client(health_check_interval=30)
-    return WorkerStores(client, ObservedStore(RedisIdempotencyStore(client)), RedisSpillStore(client, settings.result_ttl))
+    idempotency = RedisIdempotencyStore(client, replica_timeout=settings.redis_replica_timeout)
+    return WorkerStores(client, ObservedStore(idempotency), RedisSpillStore(client, settings.result_ttl))
 
 
 __all__ = ["WorkerStores", "stores_for"]
