@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, Protocol
 import redis
 from pydantic import BaseModel
 
+from toolchord.worker.pending_writes import PendingWrites, Write
 from toolchord.worker.redis_clients import redis_client
 from toolchord.worker.store_errors import StoreUnavailable, store_operation
 from toolchord.worker.tools import ToolSpec
@@ -202,9 +203,12 @@ def _keys(key: str) -> _Keys:
 class RedisIdempotencyStore:
     """The claim protocol on Redis; every step is one atomic script."""
 
-    def __init__(self, client: redis.Redis, *, replica_timeout: float = 1.0) -> None:
+    def __init__(self, client: redis.Redis, *, replica_timeout: float = 1.0,
+                 pending: PendingWrites | None = None) -> None:
         self.redis = client
         self.replica_timeout = replica_timeout
+        # Bookkeeping writes that ride along with the next claim (one round trip for both).
+        self.pending = pending
         self._claim = client.register_script(_CLAIM)
         self._renew = client.register_script(_RENEW)
         self._complete = client.register_script(_COMPLETE)
@@ -216,17 +220,26 @@ class RedisIdempotencyStore:
         """A store on `url` (a sentinel:// URL needs `master_name`)."""
         return cls(redis_client(url, master_name=master_name, health_check_interval=30))
 
-    def _replicated(self, script: Any, keys: list[str], args: list[Any], replicas: int) -> tuple[Any, int]:
-        """Run `script`, then WAIT for `replicas` on the same connection: one round trip for both.
+    def _pipelined(self, script: Any, keys: list[str], args: list[Any], replicas: int,
+                   writes: list[Write]) -> tuple[Any, int]:
+        """`writes`, then `script`, then (with `replicas`) WAIT on the same connection: one round trip.
 
         The script goes as EVAL (not EVALSHA): a pipeline holding a registered script first asks
         Redis whether it is loaded, which would cost a second round trip.
         """
         with self.redis.pipeline(transaction=False) as pipe:
+            for write in writes:
+                write(pipe)
+            first = len(pipe)
             pipe.eval(script.script, len(keys), *keys, *args)
-            pipe.wait(replicas, int(self.replica_timeout * 1000))
-            value, acknowledged = pipe.execute()
-        return value, int(acknowledged)
+            if replicas > 0:
+                pipe.wait(replicas, int(self.replica_timeout * 1000))
+            # A failed bookkeeping write must not fail the script's step.
+            replies = pipe.execute(raise_on_error=False)[first:]
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies[0], int(replies[1]) if replicas > 0 else replicas
 
     def _lag(self, what: str, acknowledged: int, replicas: int) -> ReplicationLagError:
         return ReplicationLagError(
@@ -241,11 +254,12 @@ class RedisIdempotencyStore:
         if cancel_scope is not None:
             keys.append(_keys(cancel_scope).cancel)
         args = [token, int(lease * 1000), ttl]
-        if replicas <= 0:
+        writes = self.pending.take() if self.pending is not None else []
+        if replicas <= 0 and not writes:
             state, value = self._claim(keys=keys, args=args)
             acknowledged = replicas
         else:
-            (state, value), acknowledged = self._replicated(self._claim, keys, args, replicas)
+            (state, value), acknowledged = self._pipelined(self._claim, keys, args, replicas, writes)
         claim = Claim(state=ClaimState(state.decode()), result_json=value.decode() if value else None)
         if acknowledged < replicas and claim.state in (ClaimState.CLAIMED, ClaimState.RECLAIMED):
             # A failover now could promote a replica that never saw this claim, and a redelivery
@@ -266,7 +280,7 @@ class RedisIdempotencyStore:
         args = [token, result_json, ttl, "1" if provisional else "0"]
         if replicas <= 0:
             return self._complete(keys=keys, args=args).decode()
-        stored, acknowledged = self._replicated(self._complete, keys, args, replicas)
+        stored, acknowledged = self._pipelined(self._complete, keys, args, replicas, [])
         if acknowledged < replicas:
             raise self._lag("the stored result", acknowledged, replicas)
         return stored.decode()

@@ -1,0 +1,75 @@
+"""How many Redis commands one call's bookkeeping costs on a real worker (issue 25 item 10).
+
+A worker far from Redis pays every round trip of a call's path in latency, against Celery's soft
+time limit (docs/deployment.md, "How far workers may be from Redis"): the count must stay a small
+fixed number. Redis MONITOR on the test's private Redis sees every command with its connection.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Any
+
+import pytest
+import redis
+
+from tests.cluster_helpers import TOOLS, call, orchestrator, wait_for
+from toolchord.worker import idempotency
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+# The lease renewer's script: it runs beside the handler on its own thread, not on the call's path.
+_RENEW_SHA = hashlib.sha1(idempotency._RENEW.encode()).hexdigest()
+# The worker's own records of a call: its claim and result, and its timeline entry.
+_WORKER_KEYS = ("toolchord:idem:", "toolchord:calls:")
+
+
+class Monitor:
+    """Every command Redis runs between `start()` and `stop()`, as (connection, command)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.commands: list[tuple[str, str]] = []
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        with self.client.monitor() as monitor:
+            for event in monitor.listen():
+                entry: dict[str, Any] = event
+                if entry.get("client_type") == "lua":
+                    continue  # run inside a script: part of that script's round trip
+                self.commands.append((f"{entry['client_address']}:{entry['client_port']}", entry["command"]))
+                if entry["command"] == "ECHO monitor-stop":
+                    return
+
+    def start(self, probe: redis.Redis) -> None:
+        self._thread.start()
+        wait_for(lambda: probe.echo("monitor-start") is not None and any(
+            c == "ECHO monitor-start" for _, c in self.commands), 10, "MONITOR to see commands")
+        self.commands.clear()
+
+    def stop(self, probe: redis.Redis) -> None:
+        probe.echo("monitor-stop")
+        self._thread.join(10)
+
+
+def test_one_unsafe_call_costs_a_bounded_number_of_redis_commands(start_worker, redis_url, clean_redis):
+    start_worker(TOOLS, concurrency=1)
+    orch = orchestrator(redis_url)
+    # Warm up: connections, loaded scripts, the worker's sandbox zygote.
+    assert orch.run_calls("s-warm", [call(0, "effect_unsafe", key="warm")]).results[0].status == "ok"
+    monitor = Monitor(redis.Redis.from_url(redis_url))
+    monitor.start(clean_redis)
+    turn = orch.run_calls("s-count", [call(0, "effect_unsafe", key="counted")])
+    monitor.stop(clean_redis)
+    assert turn.results[0].status == "ok"
+    worker_side = [c for _, c in monitor.commands
+                   if any(k in c for k in _WORKER_KEYS) and _RENEW_SHA not in c and "HGET " not in c[:5]]
+    # The timeline's "running" record (HSET + EXPIRE, one pipeline), the claim (one script), the
+    # result (one script), the timeline's "done" record (one pipeline): 6 commands, 4 round trips.
+    assert len(worker_side) <= 6, "\n".join(c[:100] for c in worker_side)
+    # Everything Redis did for the call, Celery's broker, chord and events included.
+    total = len([c for _, c in monitor.commands if not c.startswith("ECHO ")])
+    assert total <= 70, total
+    print(f"\nworker bookkeeping commands: {len(worker_side)}; all commands for the turn: {total}")
