@@ -152,6 +152,29 @@ def test_redis_restarted_between_dispatch_and_collect(start_worker, redis_server
     record("Redis restarted between dispatch and collect", turn, int(ledger.read_text()))
 
 
+@pytest.mark.timeout(120)
+def test_worker_with_a_call_in_flight_and_a_free_slot_survives_a_redis_restart(start_worker, redis_server, redis_url,
+                                                                               clean_redis):
+    # kombu 5.7.0 restored the unacked message through a released connection when the channel
+    # closed and the worker exited with "Unrecoverable error" (issue 25 item 5).
+    worker = start_worker(TOOLS, concurrency=2)
+    orch = orchestrator(redis_url, turn_timeout=40)
+    thread, box = run_in_thread(orch.run_calls, "s-restart", [call(0, "effect_read", key="k-flight", seconds=4)])
+    wait_for(lambda: effects(clean_redis, "k-flight") == 1, 20, "the handler to start")
+    redis_server.stop()
+    time.sleep(1.5)  # the outage itself: the broker is down this long
+    redis_server.start()
+    thread.join(90)
+    assert not thread.is_alive(), "the turn hung after a Redis restart"
+    assert worker.proc is not None and worker.proc.poll() is None, "the worker exited after a Redis restart"
+    turn: TurnResult = box["value"]
+    assert turn.results[0].status == "ok", turn.results[0].error
+    after = orch.run_calls("s-restart-after", [call(0, "effect_unsafe", key="k-after-restart")])
+    assert after.results[0].status == "ok", after.results[0].error
+    assert effects(clean_redis, "k-after-restart") == 1
+    assert worker.proc.poll() is None
+
+
 ORCHESTRATOR_SCRIPT = """
 import json, sys
 from tests.cluster_helpers import orchestrator, call

@@ -16,8 +16,9 @@ from typing import Any
 from celery import Celery
 
 from toolchord.worker.config import Settings
+from toolchord.worker.kombu_redis import TRANSPORTS as REDIS_TRANSPORTS
 from toolchord.worker.observability import signals as _observability  # noqa: F401 - connects its signal receivers
-from toolchord.worker.redis_clients import is_redis_url, is_sentinel_url
+from toolchord.worker.redis_clients import is_redis_url, is_sentinel_url, scheme_of
 from toolchord.worker.registry import Registry
 from toolchord.worker.tasks import register_tasks
 from toolchord.worker.worker_runtime import WorkerRuntime, queues_of, runtime_of
@@ -101,7 +102,13 @@ def _broker_config(settings: Settings) -> dict[str, Any]:
         }
         if is_sentinel_url(settings.broker_url):
             transport["master_name"] = settings.redis_master_name
-        return {"broker_transport_options": transport}
+        config: dict[str, Any] = {"broker_transport_options": transport}
+        # kombu's Redis transport with a fix for a worker exiting on a short Redis restart
+        # (toolchord.worker.kombu_redis).
+        patched = REDIS_TRANSPORTS.get(scheme_of(settings.broker_url))
+        if patched is not None:
+            config["broker_transport"] = patched
+        return config
     return {}
 
 

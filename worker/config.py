@@ -55,6 +55,14 @@ class Settings(BaseModel):
     result_store_patience: float = Field(
         default=30.0, ge=0, description="Seconds a worker keeps trying to store a finished call's result while Redis is unreachable."
     )
+    redis_min_replicas: int | None = Field(
+        default=None, ge=0,
+        description="Replicas that must hold an unsafe call's claim and result (Redis WAIT); None: 1 with a "
+        "sentinel:// Redis URL, else 0.",
+    )
+    redis_replica_timeout: float = Field(
+        default=1.0, gt=0, description="Seconds one WAIT for those replicas may take."
+    )
     sandbox_uid: int | None = Field(
         default=None, description="One uid for every sandboxed call of a root worker; None: a uid per call."
     )
@@ -93,6 +101,13 @@ class Settings(BaseModel):
         scheme = scheme_of(self.broker_url)
         return "amqp" if scheme in AMQP_SCHEMES else scheme
 
+    @property
+    def min_replicas(self) -> int:
+        """Replicas an unsafe call's claim and result must reach before it starts and before it is reported."""
+        if self.redis_min_replicas is not None:
+            return self.redis_min_replicas
+        return 1 if is_sentinel_url(self.redis_url) else 0
+
     def redis_client(self, **options: object) -> redis.Redis:
         """A client for `redis_url` (Sentinel-aware): the idempotency store, turns, events, spill."""
         if self.redis_url is None:
@@ -130,6 +145,8 @@ class Settings(BaseModel):
             ("result_ttl", "TOOLCHORD_RESULT_TTL"),
             ("claim_lease", "TOOLCHORD_CLAIM_LEASE"),
             ("result_store_patience", "TOOLCHORD_RESULT_STORE_PATIENCE"),
+            ("redis_min_replicas", "TOOLCHORD_REDIS_MIN_REPLICAS"),
+            ("redis_replica_timeout", "TOOLCHORD_REDIS_REPLICA_TIMEOUT"),
             ("sandbox_uid", "TOOLCHORD_SANDBOX_UID"),
             ("sandbox_direct_fork", "TOOLCHORD_SANDBOX_DIRECT_FORK"),
             ("log_dir", "TOOLCHORD_LOG_DIR"),

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, Protocol
 import redis
 from pydantic import BaseModel
 
+from toolchord.worker.pending_writes import PendingWrites, Write
 from toolchord.worker.redis_clients import redis_client
 from toolchord.worker.store_errors import StoreUnavailable, store_operation
 from toolchord.worker.tools import ToolSpec
@@ -82,22 +83,33 @@ class Claim(BaseModel):
     result_json: str | None = None
 
 
+class ReplicationLagError(StoreUnavailable):
+    """Fewer replicas than required acknowledged a claim or a result within the replica timeout."""
+
+
 class IdempotencyStore(Protocol):
     """Claims and results by idempotency key."""
 
-    def claim(self, key: str, token: str, lease: float, ttl: int, cancel_scope: str | None = None) -> Claim:
+    def claim(self, key: str, token: str, lease: float, ttl: int, cancel_scope: str | None = None, *,
+              replicas: int = 0) -> Claim:
         """Take the claim, unless a result is stored, another live claim holds it, or `cancel_scope`
-        is cancelled — in one atomic step, so a cancel either precedes the start or sees it."""
+        is cancelled — in one atomic step, so a cancel either precedes the start or sees it.
+
+        With `replicas`, a claim taken must reach that many replicas (Redis WAIT): if it does not,
+        it is released and ReplicationLagError raised, so a failover cannot forget a call that ran.
+        """
         ...
 
     def renew(self, key: str, token: str, lease: float) -> bool: ...
 
-    def complete(self, key: str, token: str, result_json: str, ttl: int, *, provisional: bool = False) -> str:
+    def complete(self, key: str, token: str, result_json: str, ttl: int, *, provisional: bool = False,
+                 replicas: int = 0) -> str:
         """Store the result unless one is stored already (first wins); release the claim.
 
         Returns the stored result, so a late duplicate reports what the first attempt reported.
         A `provisional` result (an outcome nobody observed) gives way to the real result of the
-        attempt that started first, should it ever arrive.
+        attempt that started first, should it ever arrive. With `replicas`, ReplicationLagError
+        when the stored result did not reach that many replicas (storing again is harmless).
         """
         ...
 
@@ -191,8 +203,12 @@ def _keys(key: str) -> _Keys:
 class RedisIdempotencyStore:
     """The claim protocol on Redis; every step is one atomic script."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, *, replica_timeout: float = 1.0,
+                 pending: PendingWrites | None = None) -> None:
         self.redis = client
+        self.replica_timeout = replica_timeout
+        # Bookkeeping writes that ride along with the next claim (one round trip for both).
+        self.pending = pending
         self._claim = client.register_script(_CLAIM)
         self._renew = client.register_script(_RENEW)
         self._complete = client.register_script(_COMPLETE)
@@ -204,26 +220,70 @@ class RedisIdempotencyStore:
         """A store on `url` (a sentinel:// URL needs `master_name`)."""
         return cls(redis_client(url, master_name=master_name, health_check_interval=30))
 
+    def _pipelined(self, script: Any, keys: list[str], args: list[Any], replicas: int,
+                   writes: list[Write]) -> tuple[Any, int]:
+        """`writes`, then `script`, then (with `replicas`) WAIT on the same connection: one round trip.
+
+        The script goes as EVAL (not EVALSHA): a pipeline holding a registered script first asks
+        Redis whether it is loaded, which would cost a second round trip.
+        """
+        with self.redis.pipeline(transaction=False) as pipe:
+            for write in writes:
+                write(pipe)
+            first = len(pipe)
+            pipe.eval(script.script, len(keys), *keys, *args)
+            if replicas > 0:
+                pipe.wait(replicas, int(self.replica_timeout * 1000))
+            # A failed bookkeeping write must not fail the script's step.
+            replies = pipe.execute(raise_on_error=False)[first:]
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies[0], int(replies[1]) if replicas > 0 else replicas
+
+    def _lag(self, what: str, acknowledged: int, replicas: int) -> ReplicationLagError:
+        return ReplicationLagError(
+            f"{what} reached {acknowledged} of {replicas} Redis replicas within {self.replica_timeout:g} s"
+        )
+
     @store_operation
-    def claim(self, key: str, token: str, lease: float, ttl: int, cancel_scope: str | None = None) -> Claim:
+    def claim(self, key: str, token: str, lease: float, ttl: int, cancel_scope: str | None = None, *,
+              replicas: int = 0) -> Claim:
         names = _keys(key)
         keys = [names.result, names.claim, names.started]
         if cancel_scope is not None:
             keys.append(_keys(cancel_scope).cancel)
-        state, value = self._claim(keys=keys, args=[token, int(lease * 1000), ttl])
-        return Claim(state=ClaimState(state.decode()), result_json=value.decode() if value else None)
+        args = [token, int(lease * 1000), ttl]
+        writes = self.pending.take() if self.pending is not None else []
+        if replicas <= 0 and not writes:
+            state, value = self._claim(keys=keys, args=args)
+            acknowledged = replicas
+        else:
+            (state, value), acknowledged = self._pipelined(self._claim, keys, args, replicas, writes)
+        claim = Claim(state=ClaimState(state.decode()), result_json=value.decode() if value else None)
+        if acknowledged < replicas and claim.state in (ClaimState.CLAIMED, ClaimState.RECLAIMED):
+            # A failover now could promote a replica that never saw this claim, and a redelivery
+            # would run the call again: give it up before anything runs.
+            self.release(key, token, forget_start=True)
+            raise self._lag("the claim", acknowledged, replicas)
+        return claim
 
     @store_operation
     def renew(self, key: str, token: str, lease: float) -> bool:
         return bool(self._renew(keys=[_keys(key).claim], args=[token, int(lease * 1000)]))
 
     @store_operation
-    def complete(self, key: str, token: str, result_json: str, ttl: int, *, provisional: bool = False) -> str:
+    def complete(self, key: str, token: str, result_json: str, ttl: int, *, provisional: bool = False,
+                 replicas: int = 0) -> str:
         names = _keys(key)
-        return self._complete(
-            keys=[names.result, names.claim, names.started, names.provisional],
-            args=[token, result_json, ttl, "1" if provisional else "0"],
-        ).decode()
+        keys = [names.result, names.claim, names.started, names.provisional]
+        args = [token, result_json, ttl, "1" if provisional else "0"]
+        if replicas <= 0:
+            return self._complete(keys=keys, args=args).decode()
+        stored, acknowledged = self._pipelined(self._complete, keys, args, replicas, [])
+        if acknowledged < replicas:
+            raise self._lag("the stored result", acknowledged, replicas)
+        return stored.decode()
 
     @store_operation
     def release(self, key: str, token: str, *, forget_start: bool) -> None:
@@ -289,7 +349,9 @@ class MemoryIdempotencyStore:
             for expired in [k for k, (_, until) in self._values.items() if until < now]:
                 del self._values[expired]
 
-    def claim(self, key: str, token: str, lease: float, ttl: int, cancel_scope: str | None = None) -> Claim:
+    def claim(self, key: str, token: str, lease: float, ttl: int, cancel_scope: str | None = None, *,
+              replicas: int = 0) -> Claim:
+        # One process, no replicas: `replicas` has nothing to wait for.
         names = _keys(key)
         with self._lock:
             stored = self._get(names.result)
@@ -313,7 +375,8 @@ class MemoryIdempotencyStore:
             self._set(claim_key, token, lease)
             return True
 
-    def complete(self, key: str, token: str, result_json: str, ttl: int, *, provisional: bool = False) -> str:
+    def complete(self, key: str, token: str, result_json: str, ttl: int, *, provisional: bool = False,
+                 replicas: int = 0) -> str:
         names = _keys(key)
         with self._lock:
             stored = self._get(names.result)

@@ -15,6 +15,7 @@ import redis
 from toolchord.worker.config import Settings
 from toolchord.worker.idempotency import IdempotencyStore, MemoryIdempotencyStore, RedisIdempotencyStore
 from toolchord.worker.observability.hooks import ObservedStore
+from toolchord.worker.pending_writes import PendingWrites
 from toolchord.worker.spill import MemorySpillStore, RedisSpillStore, SpillStore
 
 
@@ -26,7 +27,7 @@ class WorkerStores(NamedTuple):
     spill: SpillStore
 
 
-def stores_for(settings: Settings) -> WorkerStores:
+def stores_for(settings: Settings, *, pending: PendingWrites | None = None) -> WorkerStores:
     """Redis-backed stores when a Redis is configured, in-memory ones otherwise.
 
     Each call opens its own connections (a forked pool child calls it again); in-memory stores are
@@ -35,7 +36,9 @@ def stores_for(settings: Settings) -> WorkerStores:
     if settings.redis_url is None:
         return WorkerStores(None, ObservedStore(MemoryIdempotencyStore()), MemorySpillStore())
     client = settings.redis_client(health_check_interval=30)
-    return WorkerStores(client, ObservedStore(RedisIdempotencyStore(client)), RedisSpillStore(client, settings.result_ttl))
+    # `pending`: bookkeeping writes that ride in the claim's pipeline (a worker runtime's).
+    idempotency = RedisIdempotencyStore(client, replica_timeout=settings.redis_replica_timeout, pending=pending)
+    return WorkerStores(client, ObservedStore(idempotency), RedisSpillStore(client, settings.result_ttl))
 
 
 __all__ = ["WorkerStores", "stores_for"]

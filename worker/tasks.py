@@ -25,7 +25,7 @@ import toolchord.worker.errors as errors
 from toolchord.worker.admission import WaitForLimit, admitted
 from toolchord.worker.context import ToolContext
 from toolchord.worker.execution import HandlerOutcome
-from toolchord.worker.idempotency import Claim, ClaimState
+from toolchord.worker.idempotency import Claim, ClaimState, ReplicationLagError
 from toolchord.worker.models import ErrorCode, SideEffect, ToolCall, ToolResult
 from toolchord.worker.payloads import CallPayload
 from toolchord.worker.policy import SIDE_EFFECT_POLICIES, policy_of
@@ -102,6 +102,13 @@ class CallExecution:
         self.spec: ToolSpec | None = runtime.registry.get(payload.call.name)
 
     @property
+    def replicas(self) -> int:
+        """Replicas this call's claim and result must reach: a failover must not forget an unsafe call that ran."""
+        if self.spec is None or policy_of(self.spec.side_effect).repeatable:
+            return 0
+        return self.rt.settings.min_replicas
+
+    @property
     def ttl(self) -> int:
         if self.spec is not None and self.spec.idempotency_key is not None:
             return int(self.spec.idempotency_window)
@@ -141,6 +148,8 @@ class CallExecution:
             countdown = backoff_seconds(self.attempt - 1, self.rt.settings.visibility_timeout)
             if self.may_retry and time.time() + countdown < self.p.deadline:
                 raise _Retry(countdown, f"idempotency store unreachable: {exc}") from exc
+            if isinstance(exc, ReplicationLagError):
+                return self._not_executed(f"its claim could not be replicated ({exc})")
             return self._not_executed(f"the idempotency store was unreachable ({type(exc).__name__})")
         if claim.state is ClaimState.STORED:
             assert claim.result_json is not None
@@ -171,7 +180,8 @@ class CallExecution:
         """Claim the key; while another delivery holds a live claim, wait for its result or its lease."""
         lease = self.rt.settings.claim_lease
         while True:
-            claim = self._patiently(lambda: self.rt.store.claim(self.p.key, token, lease, self.ttl, self.p.cancel_scope))
+            claim = self._patiently(lambda: self.rt.store.claim(self.p.key, token, lease, self.ttl, self.p.cancel_scope,
+                                                                replicas=self.replicas))
             if claim.state is not ClaimState.BUSY:
                 return claim
             if time.time() > self.p.deadline:
@@ -302,15 +312,17 @@ class CallExecution:
 
     def _store(self, token: str, result: ToolResult, *, provisional: bool = False) -> ToolResult:
         result_json = result.model_dump_json()
-        # Keep trying through a Redis restart or failover (settings.result_store_patience): the
-        # stored result is what this turn and later ones report, so giving up at once would turn a
-        # finished call into OUTCOME_UNKNOWN or TIMEOUT. The task's hard time limit (the tool's
-        # timeout + 10 s from the task's start) may end the wait sooner.
+        # Keep trying through a Redis restart or failover, and until an unsafe call's result is on
+        # enough replicas (settings.result_store_patience): the stored result is what this turn and
+        # later ones report, so giving up at once would turn a finished call into OUTCOME_UNKNOWN or
+        # TIMEOUT. The task's hard time limit (the tool's timeout + 10 s from the task's start) may
+        # end the wait sooner.
         give_up = time.monotonic() + self.rt.settings.result_store_patience
         delay = 0.05
         while True:
             try:
-                stored = self.rt.store.complete(self.p.key, token, result_json, self.ttl, provisional=provisional)
+                stored = self.rt.store.complete(self.p.key, token, result_json, self.ttl, provisional=provisional,
+                                                replicas=self.replicas)
                 break
             except StoreUnavailable as exc:
                 if time.monotonic() + delay > give_up:

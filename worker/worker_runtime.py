@@ -18,6 +18,7 @@ from celery.signals import worker_init, worker_process_init, worker_ready
 from toolchord.worker.config import Settings
 from toolchord.worker.idempotency import IdempotencyStore, LeaseRenewer
 from toolchord.worker.limits import Limiter, MemoryLimiter, RedisLimiter
+from toolchord.worker.pending_writes import PendingWrites
 from toolchord.worker.registry import Registry
 from toolchord.worker.spill import SpillStore, read_output_tool
 from toolchord.worker.stores import WorkerStores, stores_for
@@ -33,6 +34,8 @@ class WorkerRuntime:
         self.settings = settings
         self.registry = registry
         registry.add_missing([read_output_tool(_RuntimeSpill(self))])
+        # Bookkeeping writes sent with the next claim (the call timeline's "running" record).
+        self.pending_writes = PendingWrites()
         self._embedded_worker: threading.Thread | None = None
         self._lock = threading.Lock()
         # The in-memory transport keeps its queues process-wide: each embedded app gets queues of
@@ -48,7 +51,7 @@ class WorkerRuntime:
     @cached_property
     def stores(self) -> WorkerStores:
         # This runtime's own stores: several embedded apps in one process never share spills.
-        return stores_for(self.settings)
+        return stores_for(self.settings, pending=self.pending_writes)
 
     @property
     def redis(self) -> redis.Redis | None:

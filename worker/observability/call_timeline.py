@@ -53,13 +53,18 @@ def timing_key(session_id: str) -> str:
     return PREFIX + session_id
 
 
-def save_timing(client: Any, timing: CallTiming, ttl: int) -> None:
-    """Write the record (one round trip); the hash expires with the session's results."""
+def add_timing(pipe: Any, timing: CallTiming, ttl: int) -> None:
+    """Add the record's write to a redis-py pipeline; the hash expires with the session's results."""
     key = timing_key(timing.session_id)
-    pipe = client.pipeline(transaction=False)
     # Call ids are unique within a turn only.
     pipe.hset(key, f"{timing.turn_id}:{timing.call_id}", timing.model_dump_json())
     pipe.expire(key, ttl)
+
+
+def save_timing(client: Any, timing: CallTiming, ttl: int) -> None:
+    """Write the record (one round trip)."""
+    pipe = client.pipeline(transaction=False)
+    add_timing(pipe, timing, ttl)
     pipe.execute()
 
 
@@ -105,5 +110,5 @@ def read_timing_file(directory: Path, session_id: str) -> dict[tuple[str, str], 
     return {(t.turn_id, t.call_id): t for t in found}
 
 
-__all__ = ["PREFIX", "TIMELINE_DIR", "CallPhase", "CallTiming", "append_timing", "read_timing", "read_timing_file",
+__all__ = ["PREFIX", "TIMELINE_DIR", "CallPhase", "CallTiming", "add_timing", "append_timing", "read_timing", "read_timing_file",
            "read_timings", "save_timing", "timing_key"]

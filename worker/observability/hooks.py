@@ -25,18 +25,20 @@ class ObservedStore:
     def __init__(self, inner: IdempotencyStore) -> None:
         self.inner = inner
 
-    def claim(self, key: str, token: str, lease: float, ttl: int, cancel_scope: str | None = None) -> Claim:
+    def claim(self, key: str, token: str, lease: float, ttl: int, cancel_scope: str | None = None, *,
+              replicas: int = 0) -> Claim:
         with span("toolchord.claim") as current:
-            claim = self.inner.claim(key, token, lease, ttl, cancel_scope)
+            claim = self.inner.claim(key, token, lease, ttl, cancel_scope, replicas=replicas)
             set_attributes(current, {"toolchord.claim_state": claim.state.value})
         m = metrics()
         if m is not None:
             m.claims.labels(claim.state.value, str(claim.state.value in CLAIM_TAKEN).lower()).inc()
         return claim
 
-    def complete(self, key: str, token: str, result_json: str, ttl: int, *, provisional: bool = False) -> str:
+    def complete(self, key: str, token: str, result_json: str, ttl: int, *, provisional: bool = False,
+                 replicas: int = 0) -> str:
         with span("toolchord.result_store", {"toolchord.provisional": provisional}):
-            return self.inner.complete(key, token, result_json, ttl, provisional=provisional)
+            return self.inner.complete(key, token, result_json, ttl, provisional=provisional, replicas=replicas)
 
     def __getattr__(self, name: str) -> Any:
         # renew, release, result(s), started, cancel(led): passed through unobserved.

@@ -33,7 +33,7 @@ from celery.signals import (
 from pydantic import ValidationError
 
 from toolchord.worker.limits import declared_limits
-from toolchord.worker.observability.call_timeline import CallTiming, append_timing, read_timing, save_timing
+from toolchord.worker.observability.call_timeline import CallTiming, add_timing, append_timing, read_timing, save_timing
 from toolchord.worker.observability.metrics import (
     LimitUsageCollector,
     QueueDepthCollector,
@@ -148,7 +148,12 @@ def _on_prerun(task_id: str = "", task: Any = None, kwargs: dict[str, Any] | Non
     # First attempts only: a retry's wait is mostly its backoff.
     if m is not None and timing.published_at is not None and timing.attempts == 1:
         m.queue_seconds.labels(queue or "").observe(max(now - timing.published_at, 0.0))
-    _save(runtime, timing)
+    if _timeline(runtime) is not None:
+        # The "running" record goes with the call's claim, in the same round trip.
+        ttl, running = runtime.settings.result_ttl, timing.model_copy()
+        runtime.pending_writes.add(lambda pipe: add_timing(pipe, running, ttl))
+    else:
+        _save(runtime, timing)
 
 
 @task_postrun.connect
@@ -157,6 +162,9 @@ def _on_postrun(task_id: str = "", retval: Any = None, state: str | None = None,
         delivery = _open.pop(task_id, None)
     if delivery is None:
         return
+    # A delivery that never claimed (unknown tool, deadline passed) still holds its "running"
+    # record: the final record below replaces it.
+    delivery.runtime.pending_writes.take()
     timing = delivery.timing
     timing.finished_at = time.time()
     m = metrics()

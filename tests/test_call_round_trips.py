@@ -1,0 +1,143 @@
+"""How many Redis round trips one call's bookkeeping costs on a real worker (issue 25 item 10).
+
+A worker far from Redis pays every round trip of a call's path in latency, against Celery's soft
+time limit (docs/deployment.md, "How far workers may be from Redis"): the count must stay a small
+fixed number. The worker reaches toolchord's Redis (claims, results, timeline) through a proxy that
+counts round trips; Redis MONITOR on the test's private Redis sees every command of the turn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import selectors
+import socket
+import threading
+from typing import Any
+
+import pytest
+import redis
+
+from tests.cluster_helpers import TOOLS, call, orchestrator, wait_for
+from toolchord.worker import idempotency
+from toolchord.worker.observability.call_timeline import read_timing
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+# The lease renewer's script: it runs beside the handler on its own thread, not on the call's path.
+_RENEW_SHA = hashlib.sha1(idempotency._RENEW.encode()).hexdigest()
+# The worker's own records of a call: its claim and result, and its timeline entry.
+_WORKER_KEYS = ("toolchord:idem:", "toolchord:calls:")
+
+
+class Monitor:
+    """Every command Redis runs between `start()` and `stop()`, as (connection, command)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.commands: list[tuple[str, str]] = []
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        with self.client.monitor() as monitor:
+            for event in monitor.listen():
+                entry: dict[str, Any] = event
+                if entry.get("client_type") == "lua":
+                    continue  # run inside a script: part of that script's round trip
+                self.commands.append((f"{entry['client_address']}:{entry['client_port']}", entry["command"]))
+                if entry["command"] == "ECHO monitor-stop":
+                    return
+
+    def start(self, probe: redis.Redis) -> None:
+        self._thread.start()
+        wait_for(lambda: probe.echo("monitor-start") is not None and any(
+            c == "ECHO monitor-start" for _, c in self.commands), 10, "MONITOR to see commands")
+        self.commands.clear()
+
+    def stop(self, probe: redis.Redis) -> None:
+        probe.echo("monitor-stop")
+        self._thread.join(10)
+
+
+def test_one_unsafe_call_costs_a_bounded_number_of_redis_commands(start_worker, redis_url, clean_redis):
+    start_worker(TOOLS, concurrency=1)
+    orch = orchestrator(redis_url)
+    # Warm up: connections, loaded scripts, the worker's sandbox zygote.
+    assert orch.run_calls("s-warm", [call(0, "effect_unsafe", key="warm")]).results[0].status == "ok"
+    monitor = Monitor(redis.Redis.from_url(redis_url))
+    monitor.start(clean_redis)
+    turn = orch.run_calls("s-count", [call(0, "effect_unsafe", key="counted")])
+    monitor.stop(clean_redis)
+    assert turn.results[0].status == "ok"
+    worker_side = [c for _, c in monitor.commands
+                   if any(k in c for k in _WORKER_KEYS) and _RENEW_SHA not in c and "HGET " not in c[:5]]
+    # The timeline's "running" record (HSET + EXPIRE, one pipeline), the claim (one script), the
+    # result (one script), the timeline's "done" record (one pipeline): 6 commands, 4 round trips.
+    assert len(worker_side) <= 6, "\n".join(c[:100] for c in worker_side)
+    # Everything Redis did for the call, Celery's broker, chord and events included.
+    total = len([c for _, c in monitor.commands if not c.startswith("ECHO ")])
+    assert total <= 70, total
+    print(f"\nworker bookkeeping commands: {len(worker_side)}; all commands for the turn: {total}")
+
+
+class RoundTripProxy:
+    """A TCP proxy in front of Redis counting round trips: a client sending after Redis answered it.
+
+    Lease renewals are left out: they run on their own thread beside the handler."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.round_trips = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            client, _ = self.listener.accept()
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._relay, args=(client, upstream), daemon=True).start()
+
+    def _relay(self, client: socket.socket, upstream: socket.socket) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(client, selectors.EVENT_READ)
+        selector.register(upstream, selectors.EVENT_READ)
+        waiting = False  # the client has sent and has had no answer yet
+        while True:
+            for key, _ in selector.select():
+                data = key.fileobj.recv(65536)
+                if not data:
+                    client.close()
+                    upstream.close()
+                    return
+                if key.fileobj is client:
+                    if not waiting and _RENEW_SHA.encode() not in data:
+                        with self._lock:
+                            self.round_trips += 1
+                    waiting = True
+                    upstream.sendall(data)
+                else:
+                    waiting = False
+                    client.sendall(data)
+
+
+def test_one_unsafe_call_costs_three_redis_round_trips_of_bookkeeping(start_worker, redis_server, redis_url,
+                                                                      clean_redis):
+    proxy = RoundTripProxy(redis_server.port)
+    # Claims, results and the timeline through the proxy; the broker and Celery's backend direct.
+    start_worker(TOOLS, concurrency=1, TOOLCHORD_REDIS_URL=f"redis://127.0.0.1:{proxy.port}/0",
+                 TOOLCHORD_RESULT_BACKEND=redis_url)
+    orch = orchestrator(redis_url)
+
+    def done(session: str, turn_id: str) -> bool:
+        timing = read_timing(clean_redis, session, turn_id, "call_0")
+        return timing is not None and timing.phase == "done"
+
+    warm = orch.run_calls("s-warm", [call(0, "effect_unsafe", key="warm")])
+    wait_for(lambda: done("s-warm", warm.turn_id), 10, "the warm-up call's timeline record")
+    before = proxy.round_trips
+    turn = orch.run_calls("s-trips", [call(0, "effect_unsafe", key="trips")])
+    assert turn.results[0].status == "ok"
+    wait_for(lambda: done("s-trips", turn.turn_id), 10, "the call's timeline record")
+    # The claim (with the timeline's "running" record), the result, the timeline's "done" record.
+    assert proxy.round_trips - before == 3
