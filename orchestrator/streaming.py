@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterable, Callable, Iterable
-from contextlib import ExitStack
+from collections.abc import AsyncIterable, Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING
 
 from kombu.exceptions import OperationalError
@@ -180,15 +180,11 @@ def run_stream(orchestrator: Orchestrator, session_id: str, calls: Iterable[Tool
     """Run calls as they complete in a stream (see `Orchestrator.run_stream`)."""
     turn = StreamingTurn(orchestrator, session_id, turn_id, provider, scope=scope or turn_id, eager=eager)
     seen: list[ToolCall] = []
-    try:
+    with _ended_on_error(turn):
         for call in calls:
             turn.add(call)
             seen.append(call)
-    except BaseException:
-        turn.end(None)
-        raise
-    final = message_complete(seen) if message_complete is not None else seen
-    turn.end(final)
+    final = _end(turn, seen, message_complete)
     return turn.wait() if final is not None else None
 
 
@@ -199,16 +195,30 @@ async def arun_stream(orchestrator: Orchestrator, session_id: str, calls: AsyncI
     """Async twin of `run_stream`."""
     turn = StreamingTurn(orchestrator, session_id, turn_id, provider, scope=scope or turn_id, eager=eager)
     seen: list[ToolCall] = []
-    try:
+    with _ended_on_error(turn):
         async for call in calls:
             turn.add(call)
             seen.append(call)
+    final = _end(turn, seen, message_complete)
+    return await turn.await_() if final is not None else None
+
+
+@contextmanager
+def _ended_on_error(turn: StreamingTurn) -> Iterator[None]:
+    """A stream that fails ends its turn as a message that never completed, then raises on."""
+    try:
+        yield
     except BaseException:
         turn.end(None)
         raise
+
+
+def _end(turn: StreamingTurn, seen: list[ToolCall],
+         message_complete: Callable[[list[ToolCall]], list[ToolCall] | None] | None) -> list[ToolCall] | None:
+    """End the turn with the complete message's calls (None: the message did not complete)."""
     final = message_complete(seen) if message_complete is not None else seen
     turn.end(final)
-    return await turn.await_() if final is not None else None
+    return final
 
 
 __all__: list[str] = ["StreamingTurn", "arun_stream", "run_stream", "starts_eagerly"]

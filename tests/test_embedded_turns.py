@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -110,3 +111,41 @@ def test_a_cancelled_async_waiter_leaves_no_trace_of_its_turn() -> None:
     # A framework that gives up on a call (a cancelled tool invocation) must not leave the turn in
     # this long-lived orchestrator's watch list: it would grow by one entry per abandoned turn.
     assert orch._waiting == set() and orch._cancelled_here == set()
+
+
+def _stream_calls(count: int) -> list[ToolCall]:
+    return [ToolCall(id=f"st{i}", name="add", arguments_raw=f'{{"a": {i}, "b": 10}}', index=i) for i in range(count)]
+
+
+def test_run_stream_runs_calls_as_the_stream_hands_them_out(embedded: Orchestrator) -> None:
+    handed: list[str] = []
+
+    def stream() -> Iterator[ToolCall]:
+        for call in _stream_calls(3):
+            handed.append(call.id)
+            yield call
+
+    turn = embedded.run_stream("s-run-stream", stream())
+    assert turn is not None and handed == ["st0", "st1", "st2"]
+    assert [(r.call_id, r.content) for r in turn.results] == [("st0", "10"), ("st1", "11"), ("st2", "12")]
+    # A message that did not complete: nothing more starts and there is no turn result.
+    assert embedded.run_stream("s-run-stream-cut", iter(_stream_calls(2)), message_complete=lambda seen: None) is None
+
+
+def test_a_stream_that_fails_ends_its_turn_and_raises(embedded: Orchestrator) -> None:
+    def broken() -> Iterator[ToolCall]:
+        yield from _stream_calls(1)
+        raise ConnectionError("the model's stream dropped")
+
+    with pytest.raises(ConnectionError):
+        embedded.run_stream("s-run-stream-broken", broken())
+
+
+def test_arun_stream_is_the_async_twin(embedded: Orchestrator) -> None:
+    async def stream() -> AsyncIterator[ToolCall]:
+        for call in _stream_calls(2):
+            yield call
+
+    turn = asyncio.run(embedded.arun_stream("s-arun-stream", stream()))
+    assert turn is not None
+    assert [(r.call_id, r.content) for r in turn.results] == [("st0", "10"), ("st1", "11")]
