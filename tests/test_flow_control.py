@@ -103,7 +103,10 @@ def test_rate_of_20_per_second_holds_in_every_one_second_window(
     starts = sorted(float(t) for t in clean_redis.lrange("tc-test:payments:starts", 0, -1))
     assert len(starts) == 200
     busiest = max(sum(1 for t in starts[i:] if t < start + 1.0) for i, start in enumerate(starts))
-    assert busiest <= 20 + 5
+    # The limiter admits at most 25 calls in any second; the handlers record when they start, a
+    # fork and a sandbox later, so two admissions 50 ms apart may start closer: two starts of slack.
+    # Without the limit, 4 processes start about 80 calls a second here.
+    assert busiest <= 20 + 5 + 2
     # 200 calls at 20/s after a burst of 5 take most of 10 s: the limit did hold them back.
     assert starts[-1] - starts[0] > 8.5
 
