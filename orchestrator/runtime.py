@@ -307,22 +307,27 @@ class Orchestrator:
         self, session_id: str, calls: Iterable[ToolCall], *, provider: Provider = "chat", turn_id: str | None = None,
         scope: str | None = None, eager: bool = True,
         message_complete: Callable[[list[ToolCall]], list[ToolCall] | None] | None = None,
+        tenant: str | None = None, priority: PriorityClass | None = None,
     ) -> TurnResult | None:
         """Run calls as a stream completes them: each that may start early starts at once, the rest
         when the iterable ends; then wait (blocking) for one result per call. `message_complete(seen)`
         gives the message's final calls, or None when it did not complete cleanly: then nothing else
-        starts and None is returned (the early calls' results stay stored by key for a retry)."""
-        return run_stream(self, session_id, calls, provider=provider, turn_id=turn_id or uuid.uuid4().hex,
-                          scope=scope, eager=eager, message_complete=message_complete)
+        starts and None is returned (the early calls' results stay stored by key for a retry).
+        `tenant` and `priority` override the orchestrator's defaults for this turn."""
+        turn = self.streaming_turn(session_id, turn_id=turn_id, provider=provider, scope=scope, eager=eager,
+                                   tenant=tenant, priority=priority)
+        return run_stream(turn, calls, message_complete)
 
     async def arun_stream(
         self, session_id: str, calls: AsyncIterable[ToolCall], *, provider: Provider = "chat",
         turn_id: str | None = None, scope: str | None = None, eager: bool = True,
         message_complete: Callable[[list[ToolCall]], list[ToolCall] | None] | None = None,
+        tenant: str | None = None, priority: PriorityClass | None = None,
     ) -> TurnResult | None:
         """Async twin of `run_stream`."""
-        return await arun_stream(self, session_id, calls, provider=provider, turn_id=turn_id or uuid.uuid4().hex,
-                                 scope=scope, eager=eager, message_complete=message_complete)
+        turn = self.streaming_turn(session_id, turn_id=turn_id, provider=provider, scope=scope, eager=eager,
+                                   tenant=tenant, priority=priority)
+        return await arun_stream(turn, calls, message_complete)
 
     def _all_stored(self, record: TurnRecord) -> bool:
         """Whether every dispatched call has a result in the idempotency store (False if unreachable)."""

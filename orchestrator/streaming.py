@@ -174,11 +174,9 @@ class StreamingTurn:
         return self._close(self._orc.finish_streamed(record, end.reason))
 
 
-def run_stream(orchestrator: Orchestrator, session_id: str, calls: Iterable[ToolCall], *, provider: Provider,
-               turn_id: str, scope: str | None = None, eager: bool = True,
+def run_stream(turn: StreamingTurn, calls: Iterable[ToolCall],
                message_complete: Callable[[list[ToolCall]], list[ToolCall] | None] | None = None) -> TurnResult | None:
-    """Run calls as they complete in a stream (see `Orchestrator.run_stream`)."""
-    turn = StreamingTurn(orchestrator, session_id, turn_id, provider, scope=scope or turn_id, eager=eager)
+    """Feed a turn the calls of a stream as they complete (see `Orchestrator.run_stream`)."""
     seen: list[ToolCall] = []
     with _ended_on_error(turn):
         for call in calls:
@@ -188,12 +186,10 @@ def run_stream(orchestrator: Orchestrator, session_id: str, calls: Iterable[Tool
     return turn.wait() if final is not None else None
 
 
-async def arun_stream(orchestrator: Orchestrator, session_id: str, calls: AsyncIterable[ToolCall], *,
-                      provider: Provider, turn_id: str, scope: str | None = None, eager: bool = True,
+async def arun_stream(turn: StreamingTurn, calls: AsyncIterable[ToolCall],
                       message_complete: Callable[[list[ToolCall]], list[ToolCall] | None] | None = None,
                       ) -> TurnResult | None:
     """Async twin of `run_stream`."""
-    turn = StreamingTurn(orchestrator, session_id, turn_id, provider, scope=scope or turn_id, eager=eager)
     seen: list[ToolCall] = []
     with _ended_on_error(turn):
         async for call in calls:

@@ -149,3 +149,10 @@ def test_arun_stream_is_the_async_twin(embedded: Orchestrator) -> None:
     turn = asyncio.run(embedded.arun_stream("s-arun-stream", stream()))
     assert turn is not None
     assert [(r.call_id, r.content) for r in turn.results] == [("st0", "10"), ("st1", "11")]
+
+
+def test_a_streamed_turn_keeps_its_own_tenant_and_priority(embedded: Orchestrator) -> None:
+    turn = embedded.run_stream("s-stream-tenant", iter(_stream_calls(1)), tenant="acme", priority="batch")
+    assert turn is not None
+    record = embedded.turns.record("s-stream-tenant", turn.turn_id)
+    assert (record.tenant, record.priority) == ("acme", "batch")
