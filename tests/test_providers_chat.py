@@ -170,11 +170,11 @@ def test_stream_interleaved_and_out_of_order_gives_the_same_calls() -> None:
         chunk({"tool_calls": [later_fragment(0, '{"a": 1}')]}),
         chunk({"tool_calls": [later_fragment(1, "}")]}),
     ]
-    for event in events:
-        assert accumulator.feed(ChatCompletionChunk.model_validate(event)) == []
-    calls = accumulator.feed(chunk({}, finish_reason="tool_calls"))
+    # Each call is handed out by the fragment that closes its arguments' object.
+    handed = [accumulator.feed(ChatCompletionChunk.model_validate(event)) for event in events]
     expected = ADAPTER.parse_calls(assistant(tool_call("call_a", "f", '{"a": 1}'), tool_call("call_b", "g", '{"b": 2}')))
-    assert calls == expected
+    assert handed == [[], [], [], [], expected[:1], expected[1:]]
+    assert accumulator.feed(chunk({}, finish_reason="tool_calls")) == []
     assert accumulator.finish() == []
     output = accumulator.assistant_output()
     assert output["content"] == "Let me look."
@@ -191,10 +191,11 @@ def test_stream_without_finish_reason_completes_at_finish() -> None:
 
 def test_stream_fragments_keyed_by_id_when_the_index_is_missing() -> None:
     accumulator = ADAPTER.stream_accumulator()
-    accumulator.feed(chunk({"tool_calls": [{"id": "call_a", "function": {"name": "f", "arguments": "{"}}]}))
-    accumulator.feed(chunk({"tool_calls": [{"id": "call_b", "function": {"name": "g", "arguments": "{}"}}]}))
-    accumulator.feed(chunk({"tool_calls": [{"id": "call_a", "function": {"arguments": "}"}}]}))
-    calls = accumulator.finish()
+    calls = accumulator.feed(chunk({"tool_calls": [{"id": "call_a", "function": {"name": "f", "arguments": "{"}}]}))
+    calls += accumulator.feed(chunk({"tool_calls": [{"id": "call_b", "function": {"name": "g", "arguments": "{}"}}]}))
+    calls += accumulator.feed(chunk({"tool_calls": [{"id": "call_a", "function": {"arguments": "}"}}]}))
+    assert accumulator.finish() == []
+    calls.sort(key=lambda call: call.index)
     assert [(call.id, call.arguments_raw, call.index) for call in calls] == [("call_a", "{}", 0), ("call_b", "{}", 1)]
 
 
@@ -272,15 +273,35 @@ def test_streamed_fragments_in_any_split_and_order_equal_the_parsed_message(
     assert ADAPTER.parse_calls(accumulator.assistant_output()) == expected
 
 
-def test_a_call_is_handed_out_when_the_next_one_starts() -> None:
+def test_a_call_is_handed_out_when_its_arguments_object_closes() -> None:
     accumulator = ADAPTER.stream_accumulator()
-    assert accumulator.feed(chunk({"tool_calls": [first_fragment(0, "call_0", "read", '{"a":')]})) == []
-    assert accumulator.feed(chunk({"tool_calls": [later_fragment(0, ' 1}')]})) == []
-    early = accumulator.feed(chunk({"tool_calls": [first_fragment(1, "call_1", "read", "{}")]}))
-    assert [(c.id, c.arguments) for c in early] == [("call_0", {"a": 1})]
+    # Braces, brackets and escaped quotes inside strings do not close anything.
+    for piece in ['{"a": "}', ']\\', '"{", "b": [{"c": "\\\\"}', "]"]:
+        assert accumulator.feed(chunk({"tool_calls": [first_fragment(0, "call_0", "read", piece)]})) == []
+    early = accumulator.feed(chunk({"tool_calls": [later_fragment(0, "}  ")]}))
+    assert [(c.id, c.arguments) for c in early] == [("call_0", {"a": '}]"{', "b": [{"c": "\\"}]})]
+    # The last call of a message too: before the message ends, and nothing comes again at its end.
+    last = accumulator.feed(chunk({"tool_calls": [first_fragment(1, "call_1", "read", "{}")]}))
+    assert [c.id for c in last] == ["call_1"]
     assert not accumulator.ended_cleanly()
-    assert [c.id for c in accumulator.feed(chunk({}, "tool_calls"))] == ["call_1"]
+    assert accumulator.feed(chunk({}, "tool_calls")) == []
     assert accumulator.ended_cleanly()
+
+
+def test_a_call_amended_after_its_object_closed_comes_again_in_its_final_form() -> None:
+    accumulator = ADAPTER.stream_accumulator()
+    (early,) = accumulator.feed(chunk({"tool_calls": [first_fragment(0, "call_0", "read", '{"a": 1}')]}))
+    assert early.arguments == {"a": 1}
+    assert accumulator.feed(chunk({"tool_calls": [later_fragment(0, ', "b": 2}')]})) == []
+    (final,) = accumulator.feed(chunk({}, "tool_calls"))
+    assert (final.id, final.arguments_raw, final.arguments) == ("call_0", '{"a": 1}, "b": 2}', None)
+
+
+def test_arguments_that_are_not_an_object_wait_for_the_message_end() -> None:
+    accumulator = ADAPTER.stream_accumulator()
+    assert accumulator.feed(chunk({"tool_calls": [first_fragment(0, "call_0", "read", "[1]")]})) == []
+    (call,) = accumulator.feed(chunk({}, "tool_calls"))
+    assert (call.arguments_raw, call.arguments) == ("[1]", None)
 
 
 def test_parallel_calls_a_proxy_streams_all_at_index_0_are_separate_calls() -> None:
@@ -296,14 +317,15 @@ def test_parallel_calls_a_proxy_streams_all_at_index_0_are_separate_calls() -> N
     early = [call for event in events for call in accumulator.feed(ChatCompletionChunk.model_validate(event))]
     calls = accumulator.feed(ChatCompletionChunk.model_validate(chunk({}, finish_reason="tool_calls")))
     expected = ADAPTER.parse_calls(assistant(tool_call("call_a", "f", '{"a": 1}'), tool_call("call_b", "g", '{"b": 2}')))
-    assert early == expected[:1]  # handed out when call_b started; unchanged since, so not again
-    assert calls == expected[1:]
+    assert early == expected  # each handed out as its object closed; unchanged since, so not again
+    assert calls == []
     assert ADAPTER.parse_calls(accumulator.assistant_output()) == expected
 
 
 def test_stream_from_a_server_that_repeats_id_and_name_in_every_fragment() -> None:
     accumulator = ADAPTER.stream_accumulator()
     for piece in ['{"a"', ": 1", "}"]:
-        accumulator.feed(chunk({"tool_calls": [first_fragment(0, "call_a", "f", piece)]}))
-    (call,) = accumulator.feed(chunk({}, "tool_calls"))
+        handed = accumulator.feed(chunk({"tool_calls": [first_fragment(0, "call_a", "f", piece)]}))
+    (call,) = handed
+    assert accumulator.feed(chunk({}, "tool_calls")) == []
     assert (call.id, call.name, call.arguments) == ("call_a", "f", {"a": 1})

@@ -8,9 +8,8 @@ into a 2 s stream, and runs `Agent(stream=True)` with `eager=True` and `eager=Fa
 the same run. A turn's latency is from the model request to the last result.
 
 Without eager dispatch a turn costs the stream plus the slowest tool (about 3.5 s); with it, the
-larger of the two. Target: eager turn (median) <= max(stream, slowest tool) + 50 ms. With `chat`
-the last call of a message is complete only at its end (a chat stream does not mark a call as
-finished), so that provider's figure is the stream plus the last call.
+larger of the two. Target: eager turn (median) <= max(stream, slowest tool) + 50 ms, for each
+provider (a chat call is complete when its arguments' JSON object closes).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ whole `ChatCompletion` (SDK object or dict), of which `choices[0].message` is ta
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,64 @@ _INTERPRETED_FRAGMENT_FIELDS = frozenset({"index", "id", "type", "function"})
 _INTERPRETED_FUNCTION_FIELDS = frozenset({"name", "arguments"})
 _REASONING_PART_TYPES = frozenset({"reasoning", "thinking", "redacted_thinking"})
 _REASONING_FIELDS = ("reasoning_content", "reasoning_details", "reasoning")
+# What ends a run of characters that cannot change a JSON text's nesting: outside strings, brackets
+# and quotes; inside a string, its closing quote or an escape.
+_STRUCTURE = re.compile(r'[{}\[\]"]')
+_STRING_END = re.compile(r'["\\]')
+
+
+class _ObjectEnd:
+    """Watches a call's arguments as they stream and tells when they form a whole JSON object.
+
+    Once the outermost `{` is closed nothing but whitespace can follow in valid JSON, so the call
+    is complete then, not only when the next call starts or the message ends (a chat stream marks
+    neither). Each character is looked at once, across fragments (an escape may end one).
+    """
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._started = False
+        self._in_string = False
+        self._escaped = False
+        self.closed = False
+
+    def feed(self, piece: str) -> bool:
+        """Take the next piece of the arguments; True when this piece closed the outermost object."""
+        if self.closed:
+            return False
+        position = 0
+        if not self._started:
+            stripped = piece.lstrip()
+            if not stripped:
+                return False
+            if stripped[0] != "{":
+                self.closed = True  # not an object: the call completes with the message
+                return False
+            position = len(piece) - len(stripped)
+            self._started = True
+        while position < len(piece):
+            if self._escaped:
+                self._escaped = False
+                position += 1
+                continue
+            if self._in_string:
+                match = _STRING_END.search(piece, position)
+                if match is None:
+                    return False
+                self._in_string = match.group() != '"'
+                self._escaped = match.group() == "\\"
+            else:
+                match = _STRUCTURE.search(piece, position)
+                if match is None:
+                    return False
+                char = match.group()
+                self._in_string = char == '"'
+                self._depth += 1 if char in "{[" else -1 if char in "}]" else 0
+                if self._depth == 0 and char in "}]":
+                    self.closed = True
+                    return True
+            position = match.end()
+        return False
 
 
 def _assistant_message(output: Any) -> dict[str, Any]:
@@ -204,6 +263,7 @@ class _CallDraft:
     name: str | None = None
     kind: str = "function"
     argument_parts: list[str] = field(default_factory=list)
+    object_end: _ObjectEnd = field(default_factory=_ObjectEnd)
     extra: DeltaFields = field(default_factory=DeltaFields)
     function_extra: DeltaFields = field(default_factory=DeltaFields)
 
@@ -219,11 +279,11 @@ class ChatStreamAccumulator:
     of the arguments. Fragments may interleave across calls and indices may start out of order. A
     new id at an index already in use starts another call there (OpenAI-compatible proxies stream
     parallel calls all at index 0); calls at one index keep the order they started in.
-    A chat stream does not mark a single call as finished. Models stream calls one after another,
-    so a call is handed out early when the next call starts and its arguments so far are a JSON
-    object (looked at once, then); the others complete together when `finish_reason` is set or the
-    stream ends (`finish`), in index order. A fragment that still arrives for a call handed out
-    early (a proxy interleaving calls) amends it: `finish` returns its final form again.
+    A chat stream does not mark a single call as finished, but valid arguments end where their
+    outermost JSON object closes: a call is handed out the moment that happens (and its arguments
+    parse); the others complete together when `finish_reason` is set or the stream ends
+    (`finish`), in index order. A fragment that still arrives for a call handed out early (a proxy
+    interleaving calls, or invalid JSON) amends it: `finish` returns its final form again.
     """
 
     def __init__(self) -> None:
@@ -239,8 +299,7 @@ class ChatStreamAccumulator:
         self._extra = DeltaFields()
         self._completed = False
         self._finish_reason: str | None = None
-        # Drafts not yet looked at for an early hand-out, and the calls handed out early (by id).
-        self._unchecked: list[tuple[int, int]] = []
+        # The calls handed out before the message ended, by id.
         self._handed: dict[str, ToolCall] = {}
 
     def feed(self, event: Any) -> list[ToolCall]:
@@ -292,9 +351,7 @@ class ChatStreamAccumulator:
     def _apply_fragment(self, fragment: dict[str, Any]) -> list[ToolCall]:
         if self._completed:
             raise ProviderFormatError("tool call fragment after the message finished")
-        drafts = len(self._drafts)
         draft = self._draft_for(fragment)
-        early = self._superseded() if len(self._drafts) > drafts else []
         fragment_id = fragment.get("id")
         if fragment_id:
             draft.id = fragment_id
@@ -305,28 +362,24 @@ class ChatStreamAccumulator:
         if name and name != draft.name:
             draft.name = name if draft.name is None else draft.name + name
         arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            draft.argument_parts.append(arguments)
         draft.extra.add(fragment, _INTERPRETED_FRAGMENT_FIELDS)
         draft.function_extra.add(function, _INTERPRETED_FUNCTION_FIELDS)
-        return early
+        if isinstance(arguments, str):
+            draft.argument_parts.append(arguments)
+            if draft.object_end.feed(arguments):
+                return self._early(draft)
+        return []
 
-    def _superseded(self) -> list[ToolCall]:
-        """A new call started: the earlier ones not yet looked at whose arguments are a JSON object
-        are complete (each draft is looked at once, so assembling stays linear)."""
-        newest = max(self._drafts, key=lambda key: key[1])
-        order = {key: position for position, key in enumerate(sorted(self._drafts))}
-        early: list[ToolCall] = []
-        for key in self._unchecked:
-            draft = self._drafts[key]
-            if draft.id is None or draft.name is None or draft.id in self._handed:
-                continue
-            call = _read_call(draft.as_tool_call_dict(), order[key])
-            if call.arguments is not None:
-                self._handed[call.id] = call
-                early.append(call)
-        self._unchecked = [newest]
-        return early
+    def _early(self, draft: _CallDraft) -> list[ToolCall]:
+        """The call whose arguments just closed, when it has its id and name and they parse."""
+        if draft.id is None or draft.name is None or draft.id in self._handed:
+            return []
+        position = sorted(self._drafts).index(next(key for key, known in self._drafts.items() if known is draft))
+        call = _read_call(draft.as_tool_call_dict(), position)
+        if call.arguments is None:
+            return []
+        self._handed[call.id] = call
+        return [call]
 
     def _draft_for(self, fragment: dict[str, Any]) -> _CallDraft:
         index = fragment.get("index")
