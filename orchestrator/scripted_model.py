@@ -17,14 +17,12 @@ from typing import Any, Self
 
 from pydantic import BaseModel, Field
 
-from toolchord.orchestrator.providers.plain_data import escaped_surrogates
-
-_JSON: dict[str, Any] = {"ensure_ascii": False, "separators": (",", ":")}
+from toolchord.orchestrator.providers.plain_data import compact_json, json_text
 
 
 def _wire(payload: Any) -> str:
-    # A lone surrogate in a script goes out as its JSON escape, as a real API sends one.
-    return escaped_surrogates(json.dumps(payload, **_JSON))
+    # As a real API sends them: a lone surrogate as its JSON escape, an infinite number as 1e400.
+    return compact_json(payload)
 
 
 class ScriptedCall(BaseModel):
@@ -38,7 +36,7 @@ class ScriptedCall(BaseModel):
     def arguments_text(self) -> str:
         if isinstance(self.arguments, str):
             return self.arguments
-        return json.dumps(self.arguments, **_JSON)
+        return json_text(self.arguments)
 
     def arguments_object(self) -> dict[str, Any]:
         """Anthropic's `input` must be an object: invalid text becomes {}."""
@@ -252,7 +250,7 @@ def _anthropic_events(turn: ScriptedTurn, ids: _Ids, model: str) -> Iterator[dic
         else:
             yield {"type": "content_block_start", "index": index,
                    "content_block": {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}}
-            for piece in _pieces(json.dumps(block["input"], **_JSON)):
+            for piece in _pieces(json_text(block["input"])):
                 yield {"type": "content_block_delta", "index": index,
                        "delta": {"type": "input_json_delta", "partial_json": piece}}
         yield {"type": "content_block_stop", "index": index}

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 from toolchord.orchestrator.providers.protocol import AssistantText, ProviderFormatError
 from toolchord.worker.errors import json_problem
@@ -26,12 +27,15 @@ def to_plain(value: Any) -> Any:
 
     SDK models are dumped with their own `to_dict`, which uses the API's field names and keeps only
     the fields that were received (or set), so the result is what the API sent, not the SDK defaults.
+    Dumped in Python mode, then made JSON-able with infinite floats kept: pydantic's JSON mode
+    would turn a tool input's 1e400 (read as infinity) into null, another value than the model sent.
     """
     if isinstance(value, BaseModel):
         sdk_to_dict = getattr(value, "to_dict", None)
         if callable(sdk_to_dict):
-            return sdk_to_dict(mode="json", warnings=False)  # leniently built SDK objects are normal
-        return value.model_dump(mode="json", by_alias=True, exclude_unset=True)
+            # Leniently built SDK objects are normal: no serialization warnings.
+            return to_jsonable_python(sdk_to_dict(mode="python", warnings=False), inf_nan_mode="constants")
+        return to_jsonable_python(value.model_dump(by_alias=True, exclude_unset=True), inf_nan_mode="constants")
     if isinstance(value, Mapping):
         return {str(key): to_plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -135,10 +139,25 @@ def well_formed_output(value: Any) -> Any:
     return value
 
 
+# A JSON string, or Python's spelling of an infinite float outside one.
+_STRING_OR_INFINITY = re.compile(r'"(?:[^"\\]|\\.)*"|-?Infinity')
+
+
+def json_text(value: Any) -> str:
+    """JSON text without whitespace, non-ASCII kept as is. An infinite float is written as `1e400`
+    (`-1e400`): JSON numbers have no size limit, so that is how an overflowing number arrived, and
+    it reads back as the same infinity. NaN stays `NaN`, which no JSON text can carry."""
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    if "Infinity" not in text:
+        return text
+    return _STRING_OR_INFINITY.sub(lambda m: m[0] if m[0].startswith('"') else m[0].replace("Infinity", "1e400"), text)
+
+
 def compact_json(value: Any) -> str:
-    """JSON text without whitespace; non-ASCII kept as is, lone surrogates escaped (they are not
-    Unicode). Used for arguments that arrive as objects."""
-    return escaped_surrogates(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+    """`json_text` with lone surrogates escaped (they are not Unicode). Used for arguments that
+    arrive as objects: an SDK reads a number too large for a float as infinity, which must stay a
+    number (INVALID_ARGUMENTS, as the same text in a string of arguments), not become `Infinity`."""
+    return escaped_surrogates(json_text(value))
 
 
 def read_arguments(value: Any) -> tuple[str, dict[str, Any] | None]:
