@@ -12,15 +12,15 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(75)  # loaded 2-core machine: about 18 s
 def test_ledger_balances_under_load() -> None:
-    report = run_scenario(LoadConfig(sessions=50, turns=2, calls=2, workers=1, max_seconds=60))
+    report = run_scenario(LoadConfig(sessions=25, turns=2, calls=2, workers=1, max_seconds=60))
     assert report.completed
-    # 50 sessions x 2 turns x 2 calls, plus the warm-up session's 2 turns.
-    assert report.ledger.calls == 51 * 2 * 2
+    # 25 sessions x 2 turns x 2 calls, plus the warm-up session's 2 turns.
+    assert report.ledger.calls == 26 * 2 * 2
     assert report.ledger.ok == report.ledger.calls
     assert report.ledger.reran == 0 and report.ledger.outcome_unknown == 0
     assert report.ledger.balanced
-    assert report.inflight_turns >= 51
-    assert "| steady | 50x2x2 |" in format_table([report])
+    assert report.inflight_turns >= 26
+    assert "| steady | 25x2x2 |" in format_table([report])
 
 
 @pytest.mark.timeout(90)  # loaded 2-core machine: up to about 19 s
