@@ -18,6 +18,7 @@ from toolchord.worker.config import Settings
 from toolchord.worker.models import ToolCall, ToolResult
 from toolchord.worker.policy import policy_of
 from toolchord.worker.registry import Provider, Registry
+from toolchord.worker.result_backend import call_task_id
 from toolchord.worker.tools import PriorityClass
 
 
@@ -115,6 +116,6 @@ def dispatched_call(prepared: PreparedCall, registry: Registry) -> DispatchedCal
         arguments=prepared.arguments,
         key=prepared.idempotency_key,
         # Stable across resubmission (same key and call), unique within a turn.
-        task_id="tc-" + digest(prepared.idempotency_key, prepared.call.id),
+        task_id=call_task_id(digest(prepared.idempotency_key, prepared.call.id)),
         side_effect=spec.side_effect,
     )

@@ -64,3 +64,17 @@ def test_calls_over_the_per_turn_cap_get_an_error_each_and_the_rest_run(start_wo
         assert "at most 3 calls" in result.content and "TOOLCHORD_MAX_CALLS_PER_TURN" in result.content
     record = orch.turns.record("s-cap", turn.turn_id)
     assert [dc.call.id for dc in record.dispatched] == ["call_0", "call_1", "call_2"]
+
+
+def test_a_turn_subscribes_to_its_callback_s_result_only(start_worker, redis_url, clean_redis):
+    # Call tasks keep no result of their own on a Redis backend, so listening for one is two wasted
+    # commands per call (SUBSCRIBE, then UNSUBSCRIBE); only the turn's callback is listened for.
+    start_worker(TOOLS, concurrency=2)
+    orch = orchestrator(redis_url)
+    assert orch.run_calls("s-warm", [call(0, "echo", text="w")]).results[0].content == "w"
+    clean_redis.config_resetstat()
+    turn = orch.run_calls("s-subscriptions", [call(i, "echo", text=str(i)) for i in range(6)])
+    assert [r.content for r in turn.results] == [str(i) for i in range(6)]
+    stats = clean_redis.info("commandstats")
+    assert stats.get("cmdstat_subscribe", {}).get("calls", 0) == 1, stats.get("cmdstat_subscribe")
+    assert stats.get("cmdstat_unsubscribe", {}).get("calls", 0) <= 1, stats.get("cmdstat_unsubscribe")

@@ -122,6 +122,20 @@ def _backend_config(settings: Settings) -> dict[str, Any]:
     return config
 
 
+def _backend_class(settings: Settings) -> str | None:
+    """The result backend for a Redis URL: toolchord's class that does not subscribe to a result
+    channel per call task (worker/result_backend.py), with the URL in Celery's `module:Class+url`
+    form; None lets Celery pick by `result_backend` alone."""
+    if settings.embedded:
+        return None
+    url, scheme = settings.result_backend, scheme_of(settings.result_backend)
+    if is_sentinel_url(url):
+        return f"toolchord.worker.result_backend:CallAwareSentinelBackend+{url}"
+    if scheme in ("redis", "rediss"):
+        return f"toolchord.worker.result_backend:CallAwareRedisBackend+{url}"
+    return None
+
+
 class ToolchordCelery(Celery):
     """Celery, with retry countdowns RabbitMQ's quorum queues can carry.
 
@@ -148,6 +162,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         tools.add_missing(registry)
     app = ToolchordCelery("toolchord", set_as_current=False)
     app.conf.update(_celery_config(settings))
+    # Celery builds its backend from `backend_cls` before `result_backend`, which stays the plain URL.
+    app.backend_cls = _backend_class(settings)
     app.whole_second_countdowns = settings.broker_kind == "amqp"
     runtime = app.toolchord = WorkerRuntime(settings, tools)
     app.conf.task_default_queue = runtime.queue()
