@@ -43,7 +43,7 @@ def digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
-def _release_pending(backend: Any, task_ids: list[str]) -> None:
+def release_pending(backend: Any, task_ids: list[str]) -> None:
     """Stop waiting for results that call tasks never store (they run with ignore_result).
 
     Celery's Redis backend builds a GroupResult of the header in `apply_chord` only to inspect
@@ -122,7 +122,7 @@ class CallDispatcher:
         # chord() explicitly, never chain(group, body): a one-task group would unroll (same section).
         chord(header, body).apply_async()
         if self._ignore_call_results:
-            _release_pending(self.app.backend, [dc.task_id for dc in record.dispatched])
+            release_pending(self.app.backend, [dc.task_id for dc in record.dispatched])
         return body_id
 
     def send_call(self, record: TurnRecord, dc: DispatchedCall) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from toolchord.orchestrator.bench.load import LoadConfig, format_table, run_scenario
+from toolchord.orchestrator.bench.load import LoadConfig, format_table, main, run_scenario
 from toolchord.orchestrator.bench.load_ledger import CallOutcome, check_ledger
 
 pytestmark = pytest.mark.slow
@@ -39,6 +39,21 @@ def test_ledger_balances_when_a_worker_is_killed_and_restarted() -> None:
     # The killed calls were redelivered: the read and idempotent ones ran again, the unsafe one did not.
     assert report.ledger.reran >= 2
     assert report.ledger.outcome_unknown >= 1
+
+
+@pytest.mark.timeout(90)
+def test_the_report_states_toolchord_against_a_bare_celery_baseline(capsys: pytest.CaptureFixture[str]) -> None:
+    # Both scenarios through the command line, as a user runs them: the baseline's plain tasks do
+    # the tools' work (its ledger balances too) and the summary says MET or MISSED per target.
+    code = main(["--sessions", "10", "--turns", "2", "--workers", "1", "--scenarios", "steady,bare",
+                 "--max-seconds", "45"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "| bare | 10x2x2 | 1x2 | bare Celery |" in out and "| steady | 10x2x2 |" in out
+    for target in ("calls/s against bare Celery", "CPU per call against bare Celery", "event-loop lag p99"):
+        line = next(line for line in out.splitlines() if line.startswith(target))
+        assert line.endswith((": MET", ": MISSED")), line
+    assert "ledger balanced in every run: yes" in out
 
 
 def test_ledger_counts_what_does_not_balance() -> None:

@@ -13,6 +13,11 @@ one) and does:
    side-effect class (held in their handlers, see bench.load_tools), and start it again at once;
 4. balance the ledger: each tool counts its runs in Redis per call (see bench.load_ledger).
 Turn latencies are over turns 2..T (turn 1 waited for the workers to start on purpose).
+
+The `bare` scenario is the baseline: the same sessions, turns and calls, driven by the same
+event loop against the same workers, as plain Celery chords of plain tasks doing the tools' work
+(`bench.load_tools.bare_call`), each waited for on the pub/sub waiter toolchord's asyncio path
+uses. The report states toolchord's calls/s and CPU per call as ratios against it.
 """
 
 from __future__ import annotations
@@ -27,19 +32,30 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import redis
+from celery import Celery, chord
 from kombu.utils.url import maybe_sanitize_url
 from pydantic import BaseModel, Field
 
 from toolchord.orchestrator.bench.load_cluster import TOOL_MODULE, RedisProcess, WorkerProcess, worker_env
 from toolchord.orchestrator.bench.load_ledger import CallOutcome, LedgerReport, check_ledger
-from toolchord.orchestrator.bench.load_tools import EFFECTS_PREFIX, HELD_PREFIX, RELEASE_KEY, WORKER_NAME_ENV
+from toolchord.orchestrator.bench.load_tools import (
+    BARE_CALL_TASK,
+    BARE_COLLECT_TASK,
+    EFFECTS_PREFIX,
+    HELD_PREFIX,
+    RELEASE_KEY,
+    WORKER_NAME_ENV,
+)
+from toolchord.orchestrator.dispatch import release_pending
 from toolchord.orchestrator.runtime import Orchestrator
 from toolchord.orchestrator.turn import TurnRecord, TurnResult
+from toolchord.orchestrator.waiting import RedisResultWaiter
 from toolchord.worker.celery_app import create_app
 from toolchord.worker.config import Settings
 from toolchord.worker.models import SideEffect, ToolCall
@@ -48,8 +64,16 @@ from toolchord.worker.registry import Registry
 _CLASSES: tuple[SideEffect, ...] = ("read", "idempotent", "unsafe")
 # How often the loop-lag probe wakes up: its overshoot is time the event loop was blocked.
 _LAG_PROBE = 0.01
-# What "waiting" looks like from Redis: the orchestrator's waiter subscribes to the chord body.
+# What "waiting" looks like from Redis: the waiter subscribes to the chord body's result channel.
 _WAITING_PATTERN = "celery-task-meta-tc-collect-*"
+_BARE_COLLECT_PREFIX = "bare-collect-"
+_BARE_WAITING_PATTERN = f"celery-task-meta-{_BARE_COLLECT_PREFIX}*"
+# The queue the load workers consume (bench.load_cluster).
+_QUEUE = "toolchord"
+# Targets against the bare-Celery baseline (issue: toolchord without sandbox at load).
+CALLS_PER_S_TARGET = 0.8
+CPU_PER_CALL_TARGET = 1.5
+LOOP_LAG_P99_TARGET_MS = 50.0
 
 
 class LoadConfig(BaseModel):
@@ -63,6 +87,7 @@ class LoadConfig(BaseModel):
     concurrency: int = 2
     work_ms: float = 0.0
     sandboxed: bool = False
+    bare: bool = Field(default=False, description="Plain Celery chords of plain tasks: the baseline.")
     kill: bool = False
     visibility_timeout: int = 10
     claim_lease: float = 2.0
@@ -97,6 +122,11 @@ class LoadReport(BaseModel):
     @property
     def balanced(self) -> bool:
         return self.completed and self.ledger.balanced
+
+    @property
+    def cpu_ms_per_call(self) -> float:
+        """CPU of the orchestrator, the workers and redis-server, per call."""
+        return sum(self.cpu_seconds.values()) * 1000 / max(self.calls, 1)
 
 
 class _TimedOrchestrator(Orchestrator):
@@ -207,6 +237,14 @@ class _Plan:
                                   arguments_raw=json.dumps(args), arguments=args, index=k))
         return calls
 
+    def record_bare(self, session: int, turn: int, values: list[Any] | None) -> None:
+        """A baseline turn: its callback's list of the calls' results (None: it never came)."""
+        for k in range(self.config.calls):
+            outcome = self.outcomes[self.tag(session, turn, k)]
+            value = values[k] if values is not None and k < len(values) else None
+            outcome.results = 0 if value is None else 1
+            outcome.status = "ok" if isinstance(value, int) and value >= 1 else None
+
     def record(self, session: int, turn: int, result: TurnResult) -> None:
         for k in range(self.config.calls):
             call_id = f"call_{turn}_{k}"
@@ -223,6 +261,31 @@ class _Plan:
                 tag="(unrequested)", side_effect="read", results=2)
 
 
+class _BareTurns:
+    """The baseline's turns: a chord of plain tasks doing the tools' work, waited for on the same
+    pub/sub waiter as toolchord's asyncio path."""
+
+    def __init__(self, app: Celery, waiter: RedisResultWaiter, config: LoadConfig) -> None:
+        self.app, self.waiter, self.config = app, waiter, config
+
+    async def run(self, plan: _Plan, session: int, turn: int) -> list[Any] | None:
+        """Send one turn's chord and wait for its callback; the calls' results, or None."""
+        plan.calls(session, turn)  # registers the turn's tags in the ledger
+        ids = [f"bare-{uuid.uuid4().hex}" for _ in range(self.config.calls)]
+        header = [self.app.signature(BARE_CALL_TASK, args=(plan.tag(session, turn, k), self.config.work_ms),
+                                     queue=_QUEUE, task_id=ids[k]) for k in range(self.config.calls)]
+        body = self.app.signature(BARE_COLLECT_TASK, queue=_QUEUE, task_id=_BARE_COLLECT_PREFIX + uuid.uuid4().hex)
+        sent = chord(header, body).apply_async()
+        # Celery's Redis backend registers the header's results while applying the chord; nobody
+        # reads them here, so they are let go as toolchord does (neither side keeps subscriptions).
+        release_pending(self.app.backend, ids)
+        meta = await self.waiter.wait(sent.id, self.config.max_seconds)
+        if meta is None or meta.get("status") != "SUCCESS":
+            return None
+        result = meta.get("result")
+        return result if isinstance(result, list) else None
+
+
 async def _wait_for_held(admin: redis.Redis, tags: list[str], timeout: float) -> dict[str, str]:
     """Until every call of `tags` is held in a handler (or the timeout passes): {tag: worker name}."""
     loop = asyncio.get_running_loop()
@@ -235,13 +298,13 @@ async def _wait_for_held(admin: redis.Redis, tags: list[str], timeout: float) ->
         await asyncio.sleep(0.02)
 
 
-async def _wait_for_waiting(admin: redis.Redis, expected: int, timeout: float) -> int:
+async def _wait_for_waiting(admin: redis.Redis, expected: int, timeout: float, pattern: str) -> int:
     """Until `expected` turns are subscribed to their chord's result (or the timeout passes)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     count = 0
     while loop.time() < end:
-        count = len(admin.pubsub_channels(_WAITING_PATTERN))
+        count = len(admin.pubsub_channels(pattern))
         if count >= expected:
             return count
         await asyncio.sleep(0.05)
@@ -268,24 +331,31 @@ async def _drive(config: LoadConfig, orch: _TimedOrchestrator, admin: redis.Redi
     latencies: list[float] = []
     probe = _LagProbe()
     probe.start()
+    bare = _BareTurns(orch.app, RedisResultWaiter(server.url), config) if config.bare else None
+    pattern = _BARE_WAITING_PATTERN if bare else _WAITING_PATTERN
 
     async def session(index: int) -> None:
         for turn in range(config.turns):
-            calls = plan.calls(index, turn)
             began = time.perf_counter()
-            result = await orch.arun_calls(f"{plan.run_id}-s{index}", calls, turn_id=f"t{turn}")
+            if bare is not None:
+                values = await bare.run(plan, index, turn)
+            else:
+                result = await orch.arun_calls(f"{plan.run_id}-s{index}", plan.calls(index, turn), turn_id=f"t{turn}")
             if turn > 0:
                 latencies.append(time.perf_counter() - began)
-            plan.record(index, turn, result)
+            if bare is not None:
+                plan.record_bare(index, turn, values)
+            else:
+                plan.record(index, turn, result)
 
     # A warm-up session: connections, pools and the waiter exist before the "before" figure.
     warm = asyncio.create_task(session(config.sessions))
-    await _wait_for_waiting(admin, 1, 30)
+    await _wait_for_waiting(admin, 1, 30, pattern)
     gc.collect()
     rss_before = rss_mb()
     dispatch_began = time.perf_counter()
     tasks = [asyncio.create_task(session(i)) for i in range(config.sessions)]
-    waiting = await _wait_for_waiting(admin, config.sessions + 1, 120)
+    waiting = await _wait_for_waiting(admin, config.sessions + 1, 120, pattern)
     dispatch_seconds = time.perf_counter() - dispatch_began
     gc.collect()
     rss_inflight = rss_mb()
@@ -329,6 +399,8 @@ async def _drive(config: LoadConfig, orch: _TimedOrchestrator, admin: redis.Redi
         chaos_task.cancel()
         await asyncio.gather(chaos_task, return_exceptions=True)
     await probe.stop()
+    if bare is not None:
+        await bare.waiter.close()
     return {
         "plan": plan,
         "latencies": latencies,
@@ -431,18 +503,20 @@ def _row(report: LoadReport) -> list[str]:
     c, lat, led = report.config, report.latency_ms, report.ledger
     return [
         c.name, f"{c.sessions}x{c.turns}x{c.calls}", f"{c.workers}x{c.concurrency}",
-        "default" if c.sandboxed else "isolate=False", f"{report.calls_per_s:.0f}",
+        "bare Celery" if c.bare else "default" if c.sandboxed else "isolate=False", f"{report.calls_per_s:.0f}",
         f"{lat['p50']:.0f}/{lat['p95']:.0f}/{lat['p99']:.0f}", f"{lat['p99'] / max(lat['p50'], 1e-9):.1f}",
         f"{report.rss_before_mb:.0f}->{report.rss_inflight_mb:.0f}", f"{report.rss_per_waiting_turn_kb:.1f}",
         f"{report.loop_lag_ms['p99']:.0f}/{report.loop_lag_ms['max']:.0f}",
         "/".join(f"{report.cpu_seconds[k]:.0f}" for k in ("orchestrator", "workers", "redis")),
+        f"{report.cpu_ms_per_call:.1f}",
         f"{led.ok}/{led.calls}", str(led.reran), str(led.unsafe_twice), str(led.outcome_unknown), str(led.lost),
         "yes" if report.balanced else "NO",
     ]
 
 
 _HEADER = ["scenario", "N x T x K", "W x c", "sandbox", "calls/s", "turn p50/p95/p99 ms", "p99/p50",
-           "RSS MB before->N waiting", "KB/waiting turn", "loop lag p99/max ms", "CPU s orch/workers/redis", "ok/calls", "re-ran",
+           "RSS MB before->N waiting", "KB/waiting turn", "loop lag p99/max ms", "CPU s orch/workers/redis", "CPU ms/call",
+           "ok/calls", "re-ran",
            "unsafe 2x", "OUTCOME_UNKNOWN", "lost", "balanced"]
 
 
@@ -461,6 +535,9 @@ def _targets(reports: Sequence[LoadReport]) -> list[str]:
                      f"(target < 300 MB): {'met' if steady.rss_inflight_mb < 300 else 'MISSED'}")
         ratio = lat["p99"] / max(lat["p50"], 1e-9)
         lines.append(f"p99/p50 turn latency: {ratio:.1f} (target < 10): {'met' if ratio < 10 else 'MISSED'}")
+    bare = next((r for r in reports if r.config.bare), None)
+    if steady is not None and bare is not None:
+        lines.extend(_against_bare(steady, bare))
     one = next((r for r in reports if r.config.name == "scale-1w"), None)
     two = next((r for r in reports if r.config.name == "steady" and r.config.workers == 2), None)
     if one is not None and two is not None:
@@ -475,6 +552,25 @@ def _targets(reports: Sequence[LoadReport]) -> list[str]:
         if not report.balanced:
             lines.append(f"  {report.config.name}: completed={report.completed} {report.ledger.model_dump_json()}")
     return lines
+
+
+def _verdict(met: bool) -> str:
+    return "MET" if met else "MISSED"
+
+
+def _against_bare(steady: LoadReport, bare: LoadReport) -> list[str]:
+    """The steady run (toolchord without sandbox) as ratios against the bare-Celery baseline."""
+    rate = steady.calls_per_s / max(bare.calls_per_s, 1e-9)
+    cpu = steady.cpu_ms_per_call / max(bare.cpu_ms_per_call, 1e-9)
+    lag = steady.loop_lag_ms["p99"]
+    return [
+        f"calls/s against bare Celery: {steady.calls_per_s:.0f} / {bare.calls_per_s:.0f} = {rate:.2f}x "
+        f"(target >= {CALLS_PER_S_TARGET}x): {_verdict(rate >= CALLS_PER_S_TARGET)}",
+        f"CPU per call against bare Celery: {steady.cpu_ms_per_call:.1f} / {bare.cpu_ms_per_call:.1f} ms = {cpu:.2f}x "
+        f"(target <= {CPU_PER_CALL_TARGET}x): {_verdict(cpu <= CPU_PER_CALL_TARGET)}",
+        f"event-loop lag p99: {lag:.0f} ms (target <= {LOOP_LAG_P99_TARGET_MS:.0f} ms): "
+        f"{_verdict(lag <= LOOP_LAG_P99_TARGET_MS)}",
+    ]
 
 
 def _public(report: dict[str, Any]) -> dict[str, Any]:
@@ -494,9 +590,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="worker processes (W) of the main run")
     parser.add_argument("--concurrency", type=int, default=2, help="prefork pool processes per worker")
     parser.add_argument("--work-ms", type=float, default=0.0, help="time each tool call works")
-    parser.add_argument("--scenarios", default="steady,kill,scale",
-                        help="comma-separated: steady, kill (SIGKILL + restart a worker mid-run), scale (1 worker), "
-                             "sandbox (default sandbox profile)")
+    parser.add_argument("--scenarios", default="steady,bare,kill,scale",
+                        help="comma-separated: steady, bare (the bare-Celery baseline), kill (SIGKILL + restart a "
+                             "worker mid-run), scale (1 worker), sandbox (default sandbox profile)")
     parser.add_argument("--visibility-timeout", type=int, default=10, help="TOOLCHORD_VISIBILITY_TIMEOUT")
     parser.add_argument("--claim-lease", type=float, default=2.0, help="TOOLCHORD_CLAIM_LEASE")
     parser.add_argument("--max-seconds", type=float, default=600.0, help="give up on a scenario after this")
@@ -514,6 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       max_seconds=options.max_seconds, broker_url=options.broker_url)
     variants = {
         "steady": {},
+        "bare": {"name": "bare", "bare": True},
         # Calls that take a while, so the SIGKILL lands on running handlers of every class.
         "kill": {"name": "kill", "workers": max(options.workers, 2), "kill": True,
                  "work_ms": max(options.work_ms, 50.0)},

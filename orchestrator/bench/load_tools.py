@@ -3,6 +3,7 @@
 Every call counts its side effect in Redis under its `tag` (one tag per call of the load), so
 the ledger can tell how often each call really ran. `*_inproc` tools run in the pool process
 (`sandbox={"isolate": False}`) for the throughput figures; the others use the default sandbox.
+`bare_call` does the same work as a plain Celery task, for the bare-Celery baseline.
 
 The kill scenario SIGKILLs a worker while it runs chosen calls, not at a random moment: a call
 asked to `hold` counts its effect, records its worker under `HELD_PREFIX + tag` and stays in its
@@ -17,6 +18,7 @@ import time
 from functools import cache
 
 import redis
+from celery import shared_task
 from celery.signals import worker_ready
 
 from toolchord.worker import tool
@@ -26,6 +28,9 @@ EFFECTS_PREFIX = "toolchord-bench:effects:"
 READY_PREFIX = "toolchord-bench:ready:"
 HELD_PREFIX = "toolchord-bench:held:"
 RELEASE_KEY = "toolchord-bench:release"
+# The bare-Celery baseline's tasks (`shared_task`: every app finalized after this import knows them).
+BARE_CALL_TASK = "bench.load.bare_call"
+BARE_COLLECT_TASK = "bench.load.bare_collect"
 # The worker's name, set by bench.load for each worker it starts: a held call says where it holds.
 WORKER_NAME_ENV = "TC_BENCH_WORKER"
 _HOLD_POLL = 0.02
@@ -101,3 +106,15 @@ def load_idempotent_sandboxed(tag: str, work_ms: float = 0.0, hold: bool = False
 def load_unsafe_sandboxed(tag: str, work_ms: float = 0.0, hold: bool = False) -> int:
     """Count one run of this call, then work for `work_ms` (first holding until killed, if asked)."""
     return _act(tag, work_ms, hold)
+
+
+@shared_task(name=BARE_CALL_TASK)
+def bare_call(tag: str, work_ms: float = 0.0) -> int:
+    """The baseline's call: the tools' work (count one run, then work for `work_ms`) as a plain Celery task."""
+    return _act(tag, work_ms, False)
+
+
+@shared_task(name=BARE_COLLECT_TASK)
+def bare_collect(results: list[int]) -> list[int]:
+    """The baseline chord's callback: hand the calls' results back."""
+    return results
