@@ -35,3 +35,20 @@ def test_short_run_reports_wall_time_and_cpu_per_call() -> None:
     assert re.search(r"child: payload read\s+\d+\.\d+\s+\d+\.\d+", out), out
     assert re.search(r"target: zygote call overhead <= 1 ms: \d+\.\d+ ms (MET|MISSED)", out), out
     assert re.search(r"target: CPU per sandboxed call <= 3 ms: \d+\.\d+ ms (MET|MISSED)", out), out
+
+
+def test_the_profile_from_an_unprivileged_worker_is_printed() -> None:
+    # Issue 22 asks for the profile of a root and of an unprivileged worker; a worker process that
+    # cannot run the interpreter's path uses direct forks, whose children have no spare's marks.
+    completed = subprocess.run(
+        [str(Path(sys.executable).with_name("toolchord")), "bench", "sandbox", "--calls", "5",
+         "--unprivileged", "61234"],
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=50,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    out = completed.stdout
+    assert "failed" not in out, out
+    found = re.search(r"unprivileged worker \(uid 61234\), (zygote|direct fork) call: 5 calls", out)
+    assert found is not None, out
+    assert re.search(r"child: (call received|fork)\s+\d+\.\d+\s+\d+\.\d+", out), out
+    assert re.search(r"child: handler\s+\d+\.\d+\s+\d+\.\d+", out), out

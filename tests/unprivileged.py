@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from tests import sandbox_tools as tools
+from toolchord.orchestrator.bench.processes import output_of_fork
 from toolchord.worker.execution import HandlerOutcome
 
 # One per test process: pytest-xdist workers running these tests at once must not share a uid.
@@ -25,11 +26,8 @@ def run_unprivileged(name: str, env: dict[str, str] | None = None, cgroups: tupl
     in `without` off as on a host that lacks them."""
     from toolchord.worker.sandbox import capabilities, runner, workdir, zygote
 
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
+    def call() -> bytes:
         try:
-            os.close(read_fd)
             for directory in cgroups:
                 with open(os.path.join(directory, "cgroup.procs"), "w") as procs:
                     procs.write("0")
@@ -48,22 +46,13 @@ def run_unprivileged(name: str, env: dict[str, str] | None = None, cgroups: tupl
             workdir._root = None
             spec = getattr(tools, name)
             outcome = runner.run_isolated(spec, spec.args_model(**arguments), tools.make_context(name))
-            workdir.wait_for_removals()  # os._exit below skips the atexit hook that waits
-            body = outcome.model_dump_json().encode()
+            workdir.wait_for_removals()  # the fork ends with os._exit, which skips the atexit hook that waits
+            return outcome.model_dump_json().encode()
         except BaseException as exc:  # noqa: BLE001 - reported to the test as a value
-            body = HandlerOutcome(status="error", error_type="WorkerRaised",
+            return HandlerOutcome(status="error", error_type="WorkerRaised",
                                   error_message=f"{type(exc).__name__}: {exc}").model_dump_json().encode()
-        try:
-            os.write(write_fd, body)
-        finally:
-            os._exit(0)
-    os.close(write_fd)
-    chunks = []
-    while chunk := os.read(read_fd, 1 << 16):
-        chunks.append(chunk)
-    os.close(read_fd)
-    os.waitpid(pid, 0)
-    return HandlerOutcome.model_validate_json(b"".join(chunks))
+
+    return HandlerOutcome.model_validate_json(output_of_fork(call))
 
 
 def user_namespaces_refused() -> bool:

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import redis
@@ -32,6 +32,26 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def output_of_fork(work: Callable[[], bytes]) -> bytes:
+    """What `work` returns when run in a fork of this process (which then ends without cleanup
+    handlers: they belong to the parent). `work` reports its own failures in what it returns."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_fd)
+            os.write(write_fd, work())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    chunks = []
+    while chunk := os.read(read_fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(read_fd)
+    os.waitpid(pid, 0)
+    return b"".join(chunks)
 
 
 def _stop_group(proc: subprocess.Popen[bytes], timeout: float) -> None:

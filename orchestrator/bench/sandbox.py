@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
+from toolchord.orchestrator.bench.processes import output_of_fork
 from toolchord.orchestrator.bench.sandbox_steps import format_profile, profile_steps
 from toolchord.worker import ToolContext, call_handler
 from toolchord.worker.sandbox import describe_layers, run_isolated
@@ -50,11 +51,8 @@ def _unprivileged_profile(uid: int, calls: int) -> str:
     """The step profile from a fork of this process running as `uid`, as text."""
     from toolchord.worker.sandbox import capabilities, workdir
 
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
+    def profile() -> bytes:
         try:
-            os.close(read_fd)
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
@@ -75,17 +73,9 @@ def _unprivileged_profile(uid: int, calls: int) -> str:
             )
         except BaseException as exc:  # noqa: BLE001 - reported in the output
             text = f"unprivileged worker (uid {uid}): failed: {type(exc).__name__}: {exc}"
-        try:
-            os.write(write_fd, text.encode())
-        finally:
-            os._exit(0)
-    os.close(write_fd)
-    chunks = []
-    while chunk := os.read(read_fd, 1 << 16):
-        chunks.append(chunk)
-    os.close(read_fd)
-    os.waitpid(pid, 0)
-    return b"".join(chunks).decode()
+        return text.encode()
+
+    return output_of_fork(profile).decode()
 
 
 def _call() -> tuple[ToolSpec, BaseModel, ToolContext]:

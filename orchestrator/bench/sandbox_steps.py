@@ -145,6 +145,8 @@ def profile_steps(
         totals.append((marks[-1][1] - marks[0][1]) * 1000)
         found = child_marks(outcome.output)
         arrival = next((i for i, mark in enumerate(found) if mark[0] == "child: call received"), None)
+        if arrival is None and found and found[0][0] == "child: fork":
+            arrival = 0  # a direct fork: no spare, the child's life starts with its call
         if arrival is None:
             raise RuntimeError(f"the child reported no timings: {outcome!r}")
         before, found = found[:arrival], found[arrival:]
@@ -152,7 +154,7 @@ def profile_steps(
             ahead.setdefault(current[0], []).append(
                 ((current[1] - previous[1]) * 1000, (current[2] - previous[2]) * 1000)
             )
-        spare_cpu.append(found[0][2] * 1000)
+        spare_cpu.append(found[0][2] * 1000 if found[0][0] == "child: call received" else 0.0)
         confined_ahead = not any(step == "child: seccomp" for step, _at, _cpu in found)
         prepared += confined_ahead
         timelines.append((confined_ahead, sorted([*marks, *found], key=lambda mark: mark[1])))
