@@ -165,3 +165,13 @@ def stamp_read(key: str, seconds: float = 0.0) -> float:
 def stamp_unsafe(key: str, seconds: float = 0.0) -> float:
     """Record when the handler started (a list in Redis), then take a while."""
     return _stamp(key, seconds)
+
+
+@tool(sandbox=SANDBOX, side_effect="read", timeout=5, max_retries=3)
+def gated_flaky(key: str) -> int:
+    """Count an attempt, wait until the test sets the gate key, then fail with a connection error (transient)."""
+    client = ledger()
+    count = client.incr(f"tc-test:attempts:{key}")
+    while not client.exists(f"tc-test:gate:{key}"):
+        time.sleep(0.02)
+    raise ConnectionError(f"attempt {count} failed")

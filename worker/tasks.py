@@ -18,7 +18,7 @@ from contextlib import nullcontext
 from typing import Any, Protocol
 
 from celery import Celery, Task
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import Retry, SoftTimeLimitExceeded
 from pydantic import ValidationError
 
 import toolchord.worker.errors as errors
@@ -30,6 +30,7 @@ from toolchord.worker.models import ErrorCode, SideEffect, ToolCall, ToolResult
 from toolchord.worker.payloads import CallPayload
 from toolchord.worker.policy import SIDE_EFFECT_POLICIES, policy_of
 from toolchord.worker.results import result_from_outcome
+from toolchord.worker.retry_sending import give_up_at, publish_retry
 from toolchord.worker.runner import run_handler, unavailable_tool_result
 from toolchord.worker.soft_limit import soft_limit_held, soft_limit_live
 from toolchord.worker.spill import SessionSpill
@@ -73,11 +74,16 @@ class DispatchedLike(Protocol):
 
 
 class _Retry(Exception):
-    """Internal: the attempt should be retried after `countdown` seconds (nothing ran, or it is safe)."""
+    """Internal: the attempt should be retried after `countdown` seconds (nothing ran, or it is safe).
 
-    def __init__(self, countdown: float, reason: str) -> None:
+    `unsent` gives the call's result when the retry cannot be sent (the broker stayed unreachable,
+    worker/retry_sending.py): the answer the attempt would have had without retries left.
+    """
+
+    def __init__(self, countdown: float, reason: str, unsent: Callable[[], ToolResult]) -> None:
         super().__init__(reason)
         self.countdown = countdown
+        self.unsent = unsent
 
 
 class CallExecution:
@@ -146,11 +152,10 @@ class CallExecution:
         except StoreUnavailable as exc:
             # Nothing ran yet, so a retry is safe for every class.
             countdown = backoff_seconds(self.attempt - 1, self.rt.settings.visibility_timeout)
+            unclaimed = self._unclaimed(exc)
             if self.may_retry and time.time() + countdown < self.p.deadline:
-                raise _Retry(countdown, f"idempotency store unreachable: {exc}") from exc
-            if isinstance(exc, ReplicationLagError):
-                return self._not_executed(f"its claim could not be replicated ({exc})")
-            return self._not_executed(f"the idempotency store was unreachable ({type(exc).__name__})")
+                raise _Retry(countdown, f"idempotency store unreachable: {exc}", lambda: unclaimed) from exc
+            return unclaimed
         if claim.state is ClaimState.STORED:
             assert claim.result_json is not None
             return self._for_this_call(claim.result_json)
@@ -173,8 +178,14 @@ class CallExecution:
         if retry_in is not None:
             forget = not outcome.started or policy_of(spec.side_effect).repeatable
             store.release(self.p.key, token, forget_start=forget)
-            raise _Retry(retry_in, f"{outcome.status}: {outcome.error_type}")
+            raise _Retry(retry_in, f"{outcome.status}: {outcome.error_type}", lambda: self._store(token, result))
         return self._store(token, result)
+
+    def _unclaimed(self, exc: StoreUnavailable) -> ToolResult:
+        """NOT_EXECUTED for a call whose claim could not be taken (nothing ran)."""
+        if isinstance(exc, ReplicationLagError):
+            return self._not_executed(f"its claim could not be replicated ({exc})")
+        return self._not_executed(f"the idempotency store was unreachable ({type(exc).__name__})")
 
     def _claim_or_wait(self, token: str) -> Claim:
         """Claim the key; while another delivery holds a live claim, wait for its result or its lease."""
@@ -379,6 +390,8 @@ def _make_call_task(app: Celery, side_effect: SideEffect) -> Task:
         resultrepr_maxsize=0,
     )
     def run_call(self: Task, prior: list[dict[str, Any]] | None = None, *, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        # The task's hard time limit counts from about now: a retry waiting for the broker ends before it.
+        began = time.monotonic()
         previous = list(prior or [])
         try:
             parsed = CallPayload.model_validate(payload)
@@ -394,19 +407,33 @@ def _make_call_task(app: Celery, side_effect: SideEffect) -> Task:
                 retries < retries_allowed,
                 unknown_before=unknown_outcome_in(previous),
             )
-            result = execution.run()
+            try:
+                result = execution.run()
+            except _Retry as retry:
+                result = _retry_or_answer(self, retry, give_up_at(self, began, parsed.deadline))
         except WaitForLimit as wait:
-            # Back to the broker, recording the wait in the payload: no pool process waits.
+            # Back to the broker, recording the wait in the payload: no pool process waits. Celery's
+            # plain retry: if the broker cannot take it the message is dropped, and the call, which
+            # never started, is NOT_EXECUTED at the turn's deadline (worker/retry_sending.py).
             raise self.retry(countdown=wait.countdown, kwargs={"payload": wait.payload}, max_retries=None) from None
-        except _Retry as retry:
-            # CallExecution decided the retry (class policy, attempts, deadline); Celery keeps the
-            # task id and the chord membership across it.
-            raise self.retry(countdown=retry.countdown, max_retries=None) from None
+        except Retry:
+            raise
         except Exception as exc:  # noqa: BLE001 - header tasks never raise
             result = _internal_error(payload, exc)
         return [*previous, result.model_dump(mode="json")]
 
     return run_call
+
+
+def _retry_or_answer(task: Task, retry: _Retry, give_up: float) -> ToolResult:
+    """Send the retry CallExecution decided (class policy, attempts, deadline) by raising Celery's
+    Retry, which keeps the task id and the chord membership; when the broker stays unreachable
+    until `give_up`, the call's result without the retry."""
+    with soft_limit_held():
+        sent = publish_retry(task, give_up, countdown=retry.countdown, max_retries=None)
+        if sent is not None:
+            raise sent from None
+        return retry.unsent()
 
 
 def collect(results: list[Any]) -> list[dict[str, Any]]:
