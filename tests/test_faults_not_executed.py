@@ -1,5 +1,7 @@
 """A call reported NOT_EXECUTED never runs afterwards, and outages of Redis or RabbitMQ before a
-call starts end in its result or a documented answer (issue 25, items 1 and 9).
+call starts end in its result or a documented answer (issue 25, items 1 and 9); a worker killed
+the moment a broker hands it a call loses the message on Redis (truthfully NOT_EXECUTED), not on
+RabbitMQ.
 
 Real private redis-server, real `toolchord worker` processes (tests/conftest.py).
 """
@@ -17,10 +19,12 @@ import struct
 import termios
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import redis
 
 from tests.cluster_helpers import (
     TOOLS,
@@ -175,28 +179,133 @@ def test_turn_published_while_rabbitmq_is_unreachable_ends_settled_at_its_deadli
     assert orch.turns.active("s-no-broker") is None
 
 
+@pytest.mark.parametrize("broker_url", ["amqp"], indirect=True)
+@pytest.mark.timeout(60)
+def test_streamed_turn_whose_broker_is_unreachable_ends_settled_when_its_message_ends(
+        redis_url, broker_url, clean_redis):
+    closed = f"amqp://guest:guest@127.0.0.1:{free_port()}//"
+    orch = orchestrator(redis_url, closed, turn_timeout=30)
+    turn = orch.streaming_turn("s-stream-no-broker")
+    streamed = call(0, "effect_read", key="k-snb")
+    assert not turn.add(streamed), "an eager call was sent to a broker nobody listens on"
+    started = time.monotonic()
+    turn.end([streamed])
+    result = turn.wait().results[0]
+    # No wait for the broker: the turn ends when its message does, not at its 30 s deadline.
+    assert time.monotonic() - started < 20
+    assert result.error is not None and result.error.code == ErrorCode.NOT_EXECUTED, result
+    assert "broker could not be reached" in result.error.message
+    dc = orch.turns.record("s-stream-no-broker", turn.turn_id).dispatched[0]
+    assert orch.runtime.store.cancelled(cancel_scope(turn.turn_id, dc.key))
+    assert orch.turns.active("s-stream-no-broker") is None
+
+
 class _Pipe(socketserver.BaseRequestHandler):
-    """Forwards one connection to the server's target, both ways, until either side closes."""
+    """Forwards one connection to the server's target, both ways, until either side closes, or
+    until the server's `hold` picks a chunk: that chunk is not passed on, and the connection
+    forwards nothing more until the server is released."""
 
     def handle(self) -> None:
-        with socket.create_connection(self.server.target) as upstream:  # type: ignore[attr-defined]
+        server: _Forwarder = self.server  # type: ignore[assignment]
+        with socket.create_connection(server.target) as upstream:
             ends = [self.request, upstream]
-            while True:
-                readable, _, _ = select.select(ends, [], [])
+            while not server.released.is_set():
+                readable, _, _ = select.select(ends, [], [], 0.1)
                 for end in readable:
                     data = end.recv(65536)
                     if not data:
                         return
-                    (upstream if end is self.request else self.request).sendall(data)
+                    to_target = end is self.request
+                    if server.hold is not None and server.armed.is_set() and server.hold(to_target, data):
+                        server.held.set()
+                        server.released.wait()
+                        return
+                    (upstream if to_target else self.request).sendall(data)
 
 
 class _Forwarder(socketserver.ThreadingTCPServer):
+    """A TCP forwarder on a loopback port; `hold(to_target, chunk)`, once `armed`, stops a connection at a chunk."""
+
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, port: int, target: tuple[str, int]) -> None:
+    def __init__(self, port: int, target: tuple[str, int],
+                 hold: Callable[[bool, bytes], bool] | None = None) -> None:
         super().__init__(("127.0.0.1", port), _Pipe)
         self.target = target
+        self.hold = hold
+        self.armed = threading.Event()
+        self.held = threading.Event()
+        self.released = threading.Event()
+
+    def serve_in_background(self) -> None:
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        """Stop accepting and end every forwarded connection."""
+        self.released.set()
+        self.shutdown()
+        self.server_close()
+
+
+def _via(url: str, port: int) -> str:
+    """`url` with its host and port replaced by the loopback `port` (credentials and path kept)."""
+    parts = urlsplit(url)
+    credentials = f"{parts.username}:{parts.password}@" if parts.username else ""
+    return parts._replace(netloc=f"{credentials}127.0.0.1:{port}").geturl()
+
+
+def _redis_broker_messages(client: redis.Redis) -> int:
+    """Messages a Redis broker holds: queued (the queue's lists) or taken and not acknowledged."""
+    queued = sum(client.llen(key) for key in client.scan_iter("toolchord*") if client.type(key) == b"list")
+    return queued + int(client.hlen("unacked"))
+
+
+@pytest.mark.parametrize("broker_url", ["redis", "amqp"], indirect=True)
+@pytest.mark.timeout(120)
+def test_worker_killed_just_after_the_broker_handed_it_a_call(start_worker, redis_url, broker_url, clean_redis):
+    """docs/operations.md, "Choosing a broker": a worker SIGKILLed the moment a call's message is its.
+
+    Redis: kombu has taken the message off the list (BRPOP) and is killed before it records it as
+    unacknowledged (the HSET is held back here): the message is gone, and with another worker up the
+    call is still truthfully NOT_EXECUTED at the turn's deadline (past the visibility timeout).
+    RabbitMQ (the delivery is held back): the unacknowledged delivery is redelivered when the
+    worker's connection closes, and the call runs once.
+    """
+    on_redis = urlsplit(broker_url).scheme == "redis"
+
+    def taken(to_broker: bool, chunk: bytes) -> bool:
+        if on_redis:
+            return to_broker and b"HSET" in chunk and b"toolchord.call." in chunk
+        return not to_broker and b"toolchord.call." in chunk
+
+    real = urlsplit(broker_url)
+    port = free_port()
+    proxy = _Forwarder(port, (real.hostname or "127.0.0.1", real.port or 6379), hold=taken)
+    proxy.serve_in_background()
+    try:
+        taker = start_worker(TOOLS, concurrency=1, name="taker", TOOLCHORD_BROKER_URL=_via(broker_url, port))
+        proxy.armed.set()
+        # 12 s: past the Redis broker's visibility timeout (8 s) and its next sweep.
+        orch = orchestrator(redis_url, broker_url, turn_timeout=12)
+        thread, box = run_in_thread(orch.run_calls, "s-taken", [call(0, "effect_unsafe", key="k-taken")])
+        assert proxy.held.wait(30), "the worker never took the call's message"
+        taker.kill()
+        proxy.close()  # the broker sees the dead worker's connections close
+        if on_redis:
+            assert _redis_broker_messages(clean_redis) == 0, "the message is still queued or recorded"
+        start_worker(TOOLS, concurrency=1, name="other")
+        thread.join(60)
+        assert not thread.is_alive(), "the turn hung"
+    finally:
+        proxy.close()
+    result = box["value"].results[0]
+    if on_redis:
+        assert result.error is not None and result.error.code == ErrorCode.NOT_EXECUTED, result
+        assert effects(clean_redis, "k-taken") == 0
+    else:
+        assert (result.status, result.content) == ("ok", "1"), result
+        assert effects(clean_redis, "k-taken") == 1
 
 
 @pytest.mark.parametrize("broker_url", ["amqp"], indirect=True)
@@ -207,18 +316,17 @@ def test_turn_published_while_rabbitmq_is_unreachable_runs_once_it_is_back(
     real = urlsplit(broker_url)
     port = free_port()
     # The orchestrator reaches RabbitMQ through a port that refuses connections until it opens.
-    orch = orchestrator(redis_url, real._replace(netloc=f"{real.username}:{real.password}@127.0.0.1:{port}").geturl(),
+    orch = orchestrator(redis_url, _via(broker_url, port),
                         turn_timeout=40)
     thread, box = run_in_thread(orch.run_calls, "s-broker-back", [call(0, "effect_unsafe", key="k-back")])
     wait_for(lambda: "waiting for it until the deadline" in caplog.text, 30, "the turn to wait for the broker")
     forwarder = _Forwarder(port, (real.hostname or "127.0.0.1", real.port or 5672))
-    threading.Thread(target=forwarder.serve_forever, daemon=True).start()
+    forwarder.serve_in_background()
     try:
         thread.join(90)
         assert not thread.is_alive(), "the turn hung"
     finally:
-        forwarder.shutdown()
-        forwarder.server_close()
+        forwarder.close()
     result = box["value"].results[0]
     assert (result.status, result.content) == ("ok", "1"), result
     assert effects(clean_redis, "k-back") == 1
