@@ -134,7 +134,7 @@ def test_redis_down_when_a_worker_claims_the_call_still_runs_once(
     # A first call runs to its end: billiard has reported the pool process up and the main process
     # has seen it finish. A job for a process not yet up (or busy) stays in the worker's main
     # process, which discards it when the broker connection drops; with Redis back empty it
-    # would be gone, and that is not what this test is about (docs/operations.md, "Redis").
+    # would be gone, and that is not what this test is about (docs/operations.md, "Redis: persistence, memory, failover").
     ready = send_call(app, "echo", {"text": "up"}, "k-ready", time.time() + 60)
     wait_for(lambda: _succeeded([worker], ready.id) == 1, 60, "a first call to finish")
     key = f"k-claim-{outage:g}"
