@@ -28,6 +28,7 @@ from toolchord.worker.idempotency import ClaimState
 from toolchord.worker.models import SideEffect, ToolCall, ToolResult
 from toolchord.worker.payloads import CallPayload, cancel_scope
 from toolchord.worker.policy import policy_of
+from toolchord.worker.priorities import FIRST_STEP, broker_priority
 from toolchord.worker.registry import Registry
 from toolchord.worker.tasks import COLLECT_TASK, TASK_NAMES
 
@@ -75,6 +76,7 @@ class CallDispatcher:
         # a SET/PUBLISH per call on the worker and a result subscription per call here. Other
         # backends (the embedded cache) join by reading each task's result, so they keep it.
         self._ignore_call_results = isinstance(app.backend, RedisBackend)
+        self._broker_kind = self.runtime.settings.broker_kind
 
     def signature(self, record: TurnRecord, dc: DispatchedCall, first: bool, rank: int = 0) -> Signature:
         """The Celery signature of one planned call of the turn (`first`: it starts its chain)."""
@@ -102,7 +104,7 @@ class CallDispatcher:
             kwargsrepr="{}",
             ignore_result=self._ignore_call_results,
             # Fair share (docs/flow-control.md): later calls of a large fan-out queue behind small turns.
-            priority=call_priority(rank, record.priority, spec.priority),
+            priority=broker_priority(call_priority(rank, record.priority, spec.priority), self._broker_kind),
         )
 
     def send_turn(self, record: TurnRecord) -> str | None:
@@ -118,7 +120,10 @@ class CallDispatcher:
         body_id = "tc-collect-" + digest(record.session_id, record.turn_id, str(time.time_ns()))
         # Every header message carries a copy of the body (docs/architecture.md, "Celery behaviour"), so
         # the body has no per-call arguments: the orchestrator orders the results from its own record.
-        body = self.app.signature(COLLECT_TASK, task_id=body_id, queue=self.runtime.queue())
+        # The callback goes first: the turn's results are ready, and a worker busy with a fan-out's
+        # tail would otherwise keep the turn waiting (a message without a priority is RabbitMQ's lowest).
+        body = self.app.signature(COLLECT_TASK, task_id=body_id, queue=self.runtime.queue(),
+                                  priority=broker_priority(FIRST_STEP, self._broker_kind))
         # chord() explicitly, never chain(group, body): a one-task group would unroll (same section).
         chord(header, body).apply_async()
         if self._ignore_call_results:

@@ -1,14 +1,17 @@
-"""Each broker gets its own settings; a small load run on RabbitMQ balances its ledger on quorum queues."""
+"""Each broker gets its own settings (RabbitMQ: quorum queues, or classic queues with priorities); a
+small load run on RabbitMQ balances its ledger on quorum queues."""
 
 from __future__ import annotations
 
 import pytest
 import redis.sentinel
+from pydantic import ValidationError
 
 from tests.brokers import RabbitVhost, rabbitmqctl
 from toolchord.orchestrator.bench.load import LoadConfig, run_scenario
 from toolchord.worker.celery_app import create_app
 from toolchord.worker.config import ConfigError, Settings
+from toolchord.worker.priorities import broker_priority
 
 REDIS = "redis://127.0.0.1:6390/0"
 AMQP = "amqp://guest:guest@127.0.0.1:5672/tc"
@@ -16,12 +19,41 @@ SENTINELS = "sentinel://127.0.0.1:26390/0;sentinel://127.0.0.1:26391/0"
 
 
 def test_rabbitmq_broker_gets_quorum_queues_and_confirms_not_redis_options() -> None:
-    conf = create_app(Settings.from_env({"TOOLCHORD_BROKER_URL": AMQP, "TOOLCHORD_REDIS_URL": REDIS})).conf
+    app = create_app(Settings.from_env({"TOOLCHORD_BROKER_URL": AMQP, "TOOLCHORD_REDIS_URL": REDIS}))
+    conf = app.conf
     assert conf.broker_transport_options == {"confirm_publish": True}
     assert conf.task_default_queue_type == conf.task_create_missing_queue_type == "quorum"
     assert conf.task_default_exchange_type == conf.task_create_missing_queue_exchange_type == "topic"
     assert conf.worker_detect_quorum_queues is True
+    assert conf.task_queue_max_priority is None
+    assert app.amqp.queues["toolchord"].queue_arguments == {"x-queue-type": "quorum"}
+    assert app.amqp.queues["a-tool-queue"].queue_arguments == {"x-queue-type": "quorum"}
+    assert app.whole_second_countdowns  # Celery's native delayed delivery counts whole seconds
     assert conf.result_backend == REDIS and not conf.result_backend_transport_options
+
+
+def test_rabbitmq_classic_queue_type_declares_every_queue_with_priorities() -> None:
+    env = {"TOOLCHORD_BROKER_URL": AMQP, "TOOLCHORD_REDIS_URL": REDIS, "TOOLCHORD_RABBITMQ_QUEUE_TYPE": "classic"}
+    app = create_app(Settings.from_env(env))
+    conf = app.conf
+    assert conf.task_default_queue_type == conf.task_create_missing_queue_type == "classic"
+    # The same exchanges as quorum queues: switching the type does not clash on them.
+    assert conf.task_default_exchange_type == conf.task_create_missing_queue_exchange_type == "topic"
+    # Celery declares the default queue and each tool queue it creates on demand with x-max-priority.
+    assert app.amqp.queues["toolchord"].queue_arguments == {"x-max-priority": 9}
+    assert app.amqp.queues["a-tool-queue"].queue_arguments == {"x-max-priority": 9}
+    assert not app.whole_second_countdowns  # the worker holds a countdown: fractions stay
+    with pytest.raises(ValidationError, match="rabbitmq_queue_type"):
+        Settings.from_env({**env, "TOOLCHORD_RABBITMQ_QUEUE_TYPE": "stream"})
+
+
+def test_priority_steps_become_each_broker_s_numbers() -> None:
+    # Redis takes step 0 first; RabbitMQ delivers the highest priority first.
+    assert [broker_priority(step, "redis") for step in range(10)] == list(range(10))
+    assert [broker_priority(step, "memory") for step in range(10)] == list(range(10))
+    assert [broker_priority(step, "amqp") for step in range(10)] == list(range(9, -1, -1))
+    with pytest.raises(ValueError, match="outside 0..9"):
+        broker_priority(10, "amqp")
 
 
 def test_redis_broker_gets_visibility_timeout_and_classic_queues() -> None:

@@ -14,10 +14,12 @@ import threading
 from typing import Any
 
 from celery import Celery
+from celery.app.amqp import AMQP
 
 from toolchord.worker.config import Settings
 from toolchord.worker.kombu_redis import TRANSPORTS as REDIS_TRANSPORTS
 from toolchord.worker.observability import signals as _observability  # noqa: F401 - connects its signal receivers
+from toolchord.worker.rabbit_queues import queue_config, queue_mismatch_named
 from toolchord.worker.redis_clients import is_redis_url, is_sentinel_url, scheme_of
 from toolchord.worker.registry import Registry
 from toolchord.worker.tasks import register_tasks
@@ -72,18 +74,9 @@ def _broker_config(settings: Settings) -> dict[str, Any]:
             # The publisher waits for RabbitMQ's confirm: a call the orchestrator recorded as sent
             # is on the queue, not in a socket buffer when the broker restarts.
             "broker_transport_options": {"confirm_publish": True},
-            # Quorum queues (replicated, durable, delivery counting) for the default queue and
-            # every tool queue a worker or publisher names. Topic exchanges, because Celery's
-            # native delayed delivery (retry countdowns on quorum queues, which cannot hold
-            # messages back) routes through topic exchanges only.
-            "task_default_queue_type": "quorum",
-            "task_default_exchange_type": "topic",
-            "task_create_missing_queues": True,
-            "task_create_missing_queue_type": "quorum",
-            "task_create_missing_queue_exchange_type": "topic",
-            "broker_native_delayed_delivery_queue_type": "quorum",
-            # Quorum queues refuse global QoS: the worker switches to per-consumer prefetch.
-            "worker_detect_quorum_queues": True,
+            # Quorum queues (replicated, no priorities) or classic queues with priorities for the
+            # default queue and every tool queue (worker/rabbit_queues.py).
+            **queue_config(settings.rabbitmq_queue_type),
         }
     if settings.broker_kind == "redis":
         transport: dict[str, Any] = {
@@ -136,22 +129,36 @@ def _backend_class(settings: Settings) -> str | None:
     return None
 
 
+class ToolchordAMQP(AMQP):
+    """Celery's AMQP layer, naming a RabbitMQ queue that exists as another type (QueueMismatch) when
+    the worker declares the queues it consumes, at start and after every reconnection."""
+
+    def TaskConsumer(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - Celery's name
+        with queue_mismatch_named(runtime_of(self.app).settings.rabbitmq_queue_type):
+            return super().TaskConsumer(*args, **kwargs)
+
+
 class ToolchordCelery(Celery):
-    """Celery, with retry countdowns RabbitMQ's quorum queues can carry.
+    """Celery, with retry countdowns RabbitMQ's quorum queues can carry, and QueueMismatch for a
+    queue that exists as another type, on the worker and on the publisher.
 
     On quorum queues Celery delays a message through its native delayed delivery, which counts in
     whole seconds and rejects a countdown in (0, 1) ("countdown must be a positive number") after
     the attempt has already ended; toolchord's jittered backoff is often below a second. A
     fractional countdown is rounded up, so a retry never comes sooner than its backoff asked.
+    Classic queues need none of this: the worker holds a countdown until it is due.
     """
 
+    amqp_cls = ToolchordAMQP
     whole_second_countdowns = False
 
     def send_task(self, name: str, *args: Any, **options: Any) -> Any:
         countdown = options.get("countdown")
         if self.whole_second_countdowns and countdown:
             options["countdown"] = math.ceil(countdown)
-        return super().send_task(name, *args, **options)
+        # Every publish declares its queue first (kombu), so a mismatch shows here on the publisher.
+        with queue_mismatch_named(runtime_of(self).settings.rabbitmq_queue_type):
+            return super().send_task(name, *args, **options)
 
 
 def create_app(settings: Settings | None = None, registry: Registry | None = None) -> Celery:
@@ -164,7 +171,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.conf.update(_celery_config(settings))
     # Celery builds its backend from `backend_cls` before `result_backend`, which stays the plain URL.
     app.backend_cls = _backend_class(settings)
-    app.whole_second_countdowns = settings.broker_kind == "amqp"
+    app.whole_second_countdowns = settings.broker_kind == "amqp" and settings.rabbitmq_queue_type == "quorum"
     runtime = app.toolchord = WorkerRuntime(settings, tools)
     app.conf.task_default_queue = runtime.queue()
     register_tasks(app)
@@ -197,6 +204,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "EMBEDDED_POLL_SECONDS",
+    "ToolchordAMQP",
     "ToolchordCelery",
     "WorkerRuntime",
     "app",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 import redis
 from pydantic import BaseModel, Field
@@ -36,6 +37,7 @@ def _read(env: Mapping[str, str], name: str) -> str | None:
 
 
 AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
+RabbitQueueType = Literal["quorum", "classic"]
 
 
 class Settings(BaseModel):
@@ -49,6 +51,13 @@ class Settings(BaseModel):
     )
     tool_modules: tuple[str, ...] = ()
     default_queue: str = "toolchord"
+    rabbitmq_queue_type: RabbitQueueType = Field(
+        default="quorum",
+        description=(
+            "RabbitMQ broker only. quorum: replicated queues without priorities; classic: queues with "
+            "x-max-priority 9, so fair share and batch priorities hold, on one node (not replicated)."
+        ),
+    )
     visibility_timeout: int = Field(default=3600, gt=0)
     result_ttl: int = Field(default=86400, gt=0)
     claim_lease: float = Field(default=15.0, gt=0, description="Seconds a claim lives without renewal.")
@@ -141,6 +150,7 @@ class Settings(BaseModel):
         }
         for field, var in (
             ("default_queue", "TOOLCHORD_DEFAULT_QUEUE"),
+            ("rabbitmq_queue_type", "TOOLCHORD_RABBITMQ_QUEUE_TYPE"),
             ("visibility_timeout", "TOOLCHORD_VISIBILITY_TIMEOUT"),
             ("result_ttl", "TOOLCHORD_RESULT_TTL"),
             ("claim_lease", "TOOLCHORD_CLAIM_LEASE"),
