@@ -32,10 +32,12 @@ from toolchord.worker.priorities import FIRST_STEP, broker_priority
 from toolchord.worker.registry import Registry
 from toolchord.worker.tasks import COLLECT_TASK, TASK_NAMES
 
-# Slack over the handler timeout for Celery's own limits: the sandbox kills the handler first.
 log = logging.getLogger("toolchord.orchestrator")
 
-_SOFT_LIMIT_SLACK = 5.0
+# Slack over the tool's timeout for Celery's hard time limit, the last resort: the sandbox (or, for
+# an in-process handler, its own timer) stops the handler at the timeout itself. No soft time
+# limit: Celery raises it wherever the task is, its own chord bookkeeping included
+# (docs/architecture.md, "Celery behaviour").
 _HARD_LIMIT_SLACK = 10.0
 
 
@@ -90,14 +92,12 @@ class CallDispatcher:
             deadline=record.deadline,
             tenant=record.tenant,
         )
-        isolated = spec.sandbox.isolate
         return self.app.signature(
             TASK_NAMES[spec.side_effect],
             kwargs={"payload": payload.model_dump(mode="json")},
             immutable=first,
             task_id=dc.task_id,
             queue=self.runtime.queue(spec.queue),
-            soft_time_limit=spec.timeout + (_SOFT_LIMIT_SLACK if isolated else 0),
             time_limit=spec.timeout + _HARD_LIMIT_SLACK,
             # Tool arguments stay out of events and Flower: show the tool and the call id only.
             argsrepr=f"{dc.call.name} call={dc.call.id}",

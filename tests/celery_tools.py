@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -107,7 +108,7 @@ def effect_reconciled(key: str, answer: str) -> int:
 
 @tool(sandbox=SANDBOX, side_effect="unsafe", timeout=2)
 def brief_unsafe(key: str, seconds: float = 0.0) -> int:
-    """Count a side effect, then take a while (a short timeout: Celery's soft limit comes 5 s later)."""
+    """Count a side effect, then take a while (a short timeout)."""
     return _effect(key, seconds)
 
 
@@ -143,8 +144,20 @@ def forging_unsafe(key: str) -> int:
 
 @tool(sandbox={"isolate": False}, side_effect="read", timeout=1, max_retries=0)
 def nap_inproc(seconds: float) -> str:
-    """Sleep in the worker process itself (no sandbox): only Celery's soft limit can stop it."""
+    """Sleep in the worker process itself (no sandbox): only its own timer can stop it."""
     time.sleep(seconds)
+    return "rested"
+
+
+@tool(sandbox={"isolate": False}, side_effect="read", timeout=1, max_retries=0)
+def nap_inproc_noting(key: str, seconds: float) -> str:
+    """Sleep in the worker process; note what stopped the sleep, and when, before letting it go on."""
+    started = time.time()
+    try:
+        time.sleep(seconds)
+    except BaseException as exc:
+        ledger().rpush(f"tc-test:stopped:{key}", type(exc).__name__, time.time() - started)
+        raise
     return "rested"
 
 
@@ -175,3 +188,13 @@ def gated_flaky(key: str) -> int:
     while not client.exists(f"tc-test:gate:{key}"):
         time.sleep(0.02)
     raise ConnectionError(f"attempt {count} failed")
+
+
+@tool(sandbox={"isolate": False}, side_effect="read", timeout=1, max_retries=0)
+def hang_inproc(key: str) -> str:
+    """Record this worker process's pid, then never return: it swallows whatever would stop it at
+    its timeout (a handler stuck where no exception reaches), so only the hard time limit ends it."""
+    ledger().rpush(f"tc-test:pids:{key}", os.getpid())
+    while True:
+        with contextlib.suppress(BaseException):
+            time.sleep(60)

@@ -12,6 +12,7 @@ from toolchord.orchestrator.bench.load import LoadConfig, run_scenario
 from toolchord.worker.celery_app import create_app
 from toolchord.worker.config import ConfigError, Settings
 from toolchord.worker.priorities import broker_priority
+from toolchord.worker.redis_clients import REDIS_SOCKET_TIMEOUT
 
 REDIS = "redis://127.0.0.1:6390/0"
 AMQP = "amqp://guest:guest@127.0.0.1:5672/tc"
@@ -61,7 +62,10 @@ def test_redis_broker_gets_visibility_timeout_and_classic_queues() -> None:
     assert conf.broker_transport_options == {
         "visibility_timeout": 400, "unacked_restore_interval": 100, "unacked_restore_throttle": 1,
         "unacked_mutex_expire": 200, "priority_steps": list(range(10)),
+        # A partitioned broker is an error after this long, not a block without end.
+        "socket_timeout": REDIS_SOCKET_TIMEOUT, "socket_connect_timeout": REDIS_SOCKET_TIMEOUT,
     }
+    assert (conf.redis_socket_timeout, conf.redis_socket_connect_timeout) == (REDIS_SOCKET_TIMEOUT,) * 2
     assert conf.task_default_queue_type == "classic"
     assert not conf.result_backend_transport_options
 
@@ -73,7 +77,8 @@ def test_sentinel_urls_need_a_master_name_and_pass_it_to_celery_and_clients() ->
     settings = Settings.from_env({**env, "TOOLCHORD_REDIS_MASTER_NAME": "tc"})
     conf = create_app(settings).conf
     assert conf.result_backend == SENTINELS
-    assert conf.result_backend_transport_options == {"master_name": "tc"}
+    assert conf.result_backend_transport_options == {"master_name": "tc", "sentinel_kwargs": {
+        "socket_timeout": REDIS_SOCKET_TIMEOUT, "socket_connect_timeout": REDIS_SOCKET_TIMEOUT}}
     client = settings.redis_client()
     pool = client.connection_pool
     assert isinstance(pool, redis.sentinel.SentinelConnectionPool) and pool.service_name == "tc"

@@ -124,9 +124,9 @@ def test_async_turns_share_one_loop(start_worker, redis_url, broker_url):
     assert [t.results[0].content for t in turns] == [str(i) for i in range(20)]
 
 
-def test_in_process_tool_stopped_by_the_soft_limit_is_a_timeout(start_worker, redis_url, broker_url):
-    # For a tool that runs in the worker process, Celery's soft time limit is its timeout: wherever
-    # the limit lands (the handler, or toolchord's code around it), the model is told TIMEOUT.
+def test_in_process_tool_stopped_at_its_timeout_is_a_timeout(start_worker, redis_url, broker_url):
+    # A tool that runs in the worker process is stopped by its own timer (worker/handler_deadline.py):
+    # the model is told TIMEOUT, on every broker.
     start_worker(TOOLS, concurrency=1)
     orch = orchestrator(redis_url, broker_url)
     result, = orch.run_calls("s-inproc-timeout", [call(0, "nap_inproc", seconds=20)]).results

@@ -16,11 +16,12 @@ from typing import Any
 from celery import Celery
 from celery.app.amqp import AMQP
 
+import toolchord.worker.hard_limit  # noqa: F401 - connects its signal receivers
 from toolchord.worker.config import Settings
 from toolchord.worker.kombu_redis import TRANSPORTS as REDIS_TRANSPORTS
 from toolchord.worker.observability import signals as _observability  # noqa: F401 - connects its signal receivers
 from toolchord.worker.rabbit_queues import queue_config, queue_mismatch_named
-from toolchord.worker.redis_clients import is_redis_url, is_sentinel_url, scheme_of
+from toolchord.worker.redis_clients import REDIS_SOCKET_TIMEOUT, is_redis_url, is_sentinel_url, scheme_of
 from toolchord.worker.registry import Registry
 from toolchord.worker.tasks import register_tasks
 from toolchord.worker.worker_runtime import WorkerRuntime, queues_of, runtime_of
@@ -92,6 +93,11 @@ def _broker_config(settings: Settings) -> dict[str, Any]:
             "unacked_mutex_expire": min(300, max(5, settings.visibility_timeout // 2)),
             # Ten priority lists per queue (0 is taken first): fair share (orchestrator/fair_share.py).
             "priority_steps": list(range(10)),
+            # A partitioned Redis is an error after this long, not a block without end: a publish
+            # in a pool process, the worker's main process (which enforces Celery's hard limit).
+            # BRPOP waits 1 s per call, well within it.
+            "socket_timeout": REDIS_SOCKET_TIMEOUT,
+            "socket_connect_timeout": REDIS_SOCKET_TIMEOUT,
         }
         if is_sentinel_url(settings.broker_url):
             transport["master_name"] = settings.redis_master_name
@@ -109,9 +115,18 @@ def _backend_config(settings: Settings) -> dict[str, Any]:
     """Settings of the Redis result backend (a server or a Sentinel group)."""
     if not is_redis_url(settings.result_backend):
         return {}
-    config: dict[str, Any] = {"redis_backend_health_check_interval": 30}
+    config: dict[str, Any] = {
+        "redis_backend_health_check_interval": 30,
+        # As the broker's (Celery's default is 120 s, and no connect timeout): the chord counter in
+        # a pool process and the orchestrator's reads fail over a partition instead of hanging.
+        "redis_socket_timeout": REDIS_SOCKET_TIMEOUT,
+        "redis_socket_connect_timeout": REDIS_SOCKET_TIMEOUT,
+    }
     if is_sentinel_url(settings.result_backend):
-        config["result_backend_transport_options"] = {"master_name": settings.redis_master_name}
+        timeouts = {"socket_timeout": REDIS_SOCKET_TIMEOUT, "socket_connect_timeout": REDIS_SOCKET_TIMEOUT}
+        # The sentinels are asked with the same timeouts (Celery passes none of its own to them).
+        config["result_backend_transport_options"] = {"master_name": settings.redis_master_name,
+                                                      "sentinel_kwargs": timeouts}
     return config
 
 

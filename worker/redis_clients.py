@@ -17,6 +17,10 @@ import redis
 from redis.sentinel import Sentinel
 
 SENTINEL_SCHEMES = ("sentinel",)
+# Seconds a Redis command or connect may wait for an answer before it fails (the broker's, the
+# result backend's and toolchord's own connections): over a partition a call fails and is retried
+# or given up, instead of blocking a worker until the partition ends (docs/operations.md).
+REDIS_SOCKET_TIMEOUT = 5.0
 REDIS_SCHEMES = ("redis", "rediss", "unix", *SENTINEL_SCHEMES)
 
 
@@ -63,9 +67,9 @@ def redis_client(url: str, *, master_name: str | None = None, **options: Any) ->
         raise ValueError("a sentinel:// Redis URL needs the master's name (TOOLCHORD_REDIS_MASTER_NAME)")
     hosts, connection = sentinel_hosts(url)
     # The sentinels themselves need no password unless sentinel_kwargs says so (as in kombu).
-    sentinel = Sentinel(hosts, socket_timeout=options.get("socket_timeout", 5))
+    sentinel = Sentinel(hosts, socket_timeout=options.get("socket_timeout", REDIS_SOCKET_TIMEOUT))
     return sentinel.master_for(master_name, **connection, **options)
 
 
-__all__ = ["REDIS_SCHEMES", "SENTINEL_SCHEMES", "is_redis_url", "is_sentinel_url", "redis_client", "scheme_of",
+__all__ = ["REDIS_SCHEMES", "REDIS_SOCKET_TIMEOUT", "SENTINEL_SCHEMES", "is_redis_url", "is_sentinel_url", "redis_client", "scheme_of",
            "sentinel_hosts"]

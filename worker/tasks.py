@@ -14,17 +14,17 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from typing import Any, Protocol
 
 from celery import Celery, Task
-from celery.exceptions import Retry, SoftTimeLimitExceeded
+from celery.exceptions import Retry
 from pydantic import ValidationError
 
 import toolchord.worker.errors as errors
 from toolchord.worker.admission import WaitForLimit, admitted
 from toolchord.worker.context import ToolContext
 from toolchord.worker.execution import HandlerOutcome
+from toolchord.worker.handler_deadline import stop_at_timeout
 from toolchord.worker.idempotency import Claim, ClaimState, ReplicationLagError
 from toolchord.worker.models import ErrorCode, SideEffect, ToolCall, ToolResult
 from toolchord.worker.payloads import CallPayload
@@ -32,7 +32,6 @@ from toolchord.worker.policy import SIDE_EFFECT_POLICIES, policy_of
 from toolchord.worker.results import result_from_outcome
 from toolchord.worker.retry_sending import give_up_at, publish_retry
 from toolchord.worker.runner import run_handler, unavailable_tool_result
-from toolchord.worker.soft_limit import soft_limit_held, soft_limit_live
 from toolchord.worker.spill import SessionSpill
 from toolchord.worker.store_errors import StoreUnavailable
 from toolchord.worker.tools import ToolSpec
@@ -121,17 +120,16 @@ class CallExecution:
         return self.rt.settings.result_ttl
 
     def run(self) -> ToolResult:
-        """The call's result; Celery's soft time limit cannot interrupt toolchord's own steps.
+        """The call's result.
 
         The tool's limits admit the call before anything else (its claim included): over a limit it
         waits in the broker (WaitForLimit), or is refused when it cannot start before the deadline.
         """
-        with soft_limit_held():
-            if self.spec is None:
-                return self._run()
-            rt = self.rt
-            with admitted(rt.limiter, rt.lease_renewer, self.spec, self.p, rt.settings.visibility_timeout) as refusal:
-                return self._run() if refusal is None else self._never_run(refusal.reason)
+        if self.spec is None:
+            return self._run()
+        rt = self.rt
+        with admitted(rt.limiter, rt.lease_renewer, self.spec, self.p, rt.settings.visibility_timeout) as refusal:
+            return self._run() if refusal is None else self._never_run(refusal.reason)
 
     def _run(self) -> ToolResult:
         spec = self.spec
@@ -283,26 +281,14 @@ class CallExecution:
         ).bind_cancel_check(lambda: store.cancelled(scope))
 
     def _run_handler(self, spec: ToolSpec, token: str) -> HandlerOutcome:
-        # Only an in-process handler needs the soft limit to stop it: an isolated one is stopped by
-        # its sandbox at the tool's timeout, and the limit would only break the wait for its result.
-        soft_limit = soft_limit_live() if not spec.sandbox.isolate else nullcontext()
-        try:
-            with self.rt.lease_renewer.hold(self.p.key, token), soft_limit:
-                outcome = run_handler(
-                    spec, self.p.arguments, self._context(),
-                    sandbox_uid=self.rt.settings.sandbox_uid,
-                    direct_fork=self.rt.settings.sandbox_direct_fork,
-                )
-        except SoftTimeLimitExceeded:
-            # It landed in toolchord's code around the handler, not in the handler itself.
-            outcome = HandlerOutcome(status="error", error_type=SoftTimeLimitExceeded.__name__)
-        if outcome.status == "error" and outcome.error_type == SoftTimeLimitExceeded.__name__:
-            # For an in-process tool Celery's soft limit is the tool's own timeout: report it as one.
-            return outcome.model_copy(update={
-                "status": "timeout", "error_type": "TimeoutError",
-                "error_message": f"stopped by Celery's soft time limit at the tool's {spec.timeout:g} s timeout",
-            })
-        return outcome
+        # An in-process handler is stopped at its timeout by a timer around its run alone
+        # (worker/handler_deadline.py); an isolated one by its sandbox.
+        with self.rt.lease_renewer.hold(self.p.key, token):
+            return stop_at_timeout(spec, lambda: run_handler(
+                spec, self.p.arguments, self._context(),
+                sandbox_uid=self.rt.settings.sandbox_uid,
+                direct_fork=self.rt.settings.sandbox_direct_fork,
+            ))
 
     def _retry_countdown(self, spec: ToolSpec, outcome: HandlerOutcome) -> float | None:
         """Seconds until the next attempt, or None when this outcome is final (docs/tools.md, "Side-effect classes")."""
@@ -429,11 +415,10 @@ def _retry_or_answer(task: Task, retry: _Retry, give_up: float) -> ToolResult:
     """Send the retry CallExecution decided (class policy, attempts, deadline) by raising Celery's
     Retry, which keeps the task id and the chord membership; when the broker stays unreachable
     until `give_up`, the call's result without the retry."""
-    with soft_limit_held():
-        sent = publish_retry(task, give_up, countdown=retry.countdown, max_retries=None)
-        if sent is not None:
-            raise sent from None
-        return retry.unsent()
+    sent = publish_retry(task, give_up, countdown=retry.countdown, max_retries=None)
+    if sent is not None:
+        raise sent from None
+    return retry.unsent()
 
 
 def collect(results: list[Any]) -> list[dict[str, Any]]:

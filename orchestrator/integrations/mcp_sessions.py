@@ -18,7 +18,6 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, TypeVar
 
 import httpx2
-from celery.exceptions import SoftTimeLimitExceeded
 from mcp import types
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
@@ -197,8 +196,9 @@ class SessionPool:
         future = asyncio.run_coroutine_threadsafe(self._call(server, tool, arguments), self._loop_here())
         try:
             return future.result(timeout)
-        except (concurrent.futures.TimeoutError, SoftTimeLimitExceeded):
-            # Celery's soft limit for an in-process tool is its timeout too: whichever fires first.
+        except (concurrent.futures.TimeoutError, HandlerTimeout):
+            # On a worker the tool's own timer (worker/handler_deadline.py) may raise HandlerTimeout
+            # in this wait first: the request is cancelled either way.
             future.cancel()
             raise HandlerTimeout(f"no answer from MCP server {server.name!r} within {timeout:g} s") from None
 
