@@ -1,8 +1,8 @@
 """How many Redis round trips one call's bookkeeping costs on a real worker (issue 25 item 10).
 
-A worker far from Redis pays every round trip of a call's path in latency, against Celery's soft
-time limit (docs/deployment.md, "How far workers may be from Redis"): the count must stay a small
-fixed number. The worker reaches toolchord's Redis (claims, results, timeline) through a proxy that
+A worker far from Redis pays every round trip of a call's path in latency, against the turn's
+deadline and Celery's hard time limit (docs/deployment.md, "How far workers may be from Redis"):
+the count must stay a small fixed number. The worker reaches toolchord's Redis (claims, results, timeline) through a proxy that
 counts round trips; Redis MONITOR on the test's private Redis sees every command of the turn.
 """
 
@@ -62,8 +62,8 @@ class Monitor:
         self._thread.join(10)
 
 
-def test_one_unsafe_call_costs_a_bounded_number_of_redis_commands(start_worker, redis_url, clean_redis):
-    start_worker(TOOLS, concurrency=1)
+def _watched_turn(redis_url: str, clean_redis: redis.Redis) -> list[tuple[str, str]]:
+    """Every command Redis ran for one turn of one `unsafe` call, after a warm-up turn."""
     orch = orchestrator(redis_url)
     # Warm up: connections, loaded scripts, the worker's sandbox zygote.
     assert orch.run_calls("s-warm", [call(0, "effect_unsafe", key="warm")]).results[0].status == "ok"
@@ -72,16 +72,35 @@ def test_one_unsafe_call_costs_a_bounded_number_of_redis_commands(start_worker, 
     turn = orch.run_calls("s-count", [call(0, "effect_unsafe", key="counted")])
     monitor.stop(clean_redis)
     assert turn.results[0].status == "ok"
-    worker_side = [c for _, c in monitor.commands
+    return monitor.commands
+
+
+def _task_events(commands: list[tuple[str, str]]) -> list[str]:
+    return [c for _, c in commands if c.startswith("PUBLISH /0.celeryev/")]
+
+
+def test_one_unsafe_call_costs_a_bounded_number_of_redis_commands(start_worker, redis_url, clean_redis):
+    start_worker(TOOLS, concurrency=1)
+    commands = _watched_turn(redis_url, clean_redis)
+    worker_side = [c for _, c in commands
                    if any(k in c for k in _WORKER_KEYS) and _RENEW_SHA not in c and "HGET " not in c[:5]
                    and not _CANCEL_POLL.match(c)]
-    # The timeline's "running" record (HSET + EXPIRE, one pipeline), the claim (one script), the
-    # result (one script), the timeline's "done" record (one pipeline): 6 commands, 4 round trips.
+    # The timeline's "running" record (HSET + EXPIRE) and the claim (one script) in one pipeline,
+    # the timeline's "done" record and the result (one script) in another: 6 commands, 2 round trips.
     assert len(worker_side) <= 6, "\n".join(c[:100] for c in worker_side)
     # Everything Redis did for the call, Celery's broker, chord and events included.
-    total = len([c for _, c in monitor.commands if not c.startswith("ECHO ")])
+    total = len([c for _, c in commands if not c.startswith("ECHO ")])
     assert total <= 70, total
-    print(f"\nworker bookkeeping commands: {len(worker_side)}; all commands for the turn: {total}")
+    # Task events are on by default (Flower): the worker's main process publishes them.
+    assert _task_events(commands)
+    print(f"\nworker bookkeeping commands: {len(worker_side)}; all commands for the turn: {total}; "
+          f"task events: {len(_task_events(commands))}")
+
+
+def test_task_events_off_saves_their_publishes(start_worker, redis_url, clean_redis):
+    start_worker(TOOLS, concurrency=1, TOOLCHORD_TASK_EVENTS="off")
+    commands = _watched_turn(redis_url, clean_redis)
+    assert _task_events(commands) == []
 
 
 class RoundTripProxy:
@@ -126,7 +145,7 @@ class RoundTripProxy:
                     client.sendall(data)
 
 
-def test_one_unsafe_call_costs_three_redis_round_trips_of_bookkeeping(start_worker, redis_server, redis_url,
+def test_one_unsafe_call_costs_two_redis_round_trips_of_bookkeeping(start_worker, redis_server, redis_url,
                                                                       clean_redis):
     proxy = RoundTripProxy(redis_server.port)
     # Claims, results and the timeline through the proxy; the broker and Celery's backend direct.
@@ -144,5 +163,5 @@ def test_one_unsafe_call_costs_three_redis_round_trips_of_bookkeeping(start_work
     turn = orch.run_calls("s-trips", [call(0, "effect_unsafe", key="trips")])
     assert turn.results[0].status == "ok"
     wait_for(lambda: done("s-trips", turn.turn_id), 10, "the call's timeline record")
-    # The claim (with the timeline's "running" record), the result, the timeline's "done" record.
-    assert proxy.round_trips - before == 3
+    # The claim (with the timeline's "running" record), the result (with its "done" record).
+    assert proxy.round_trips - before == 2

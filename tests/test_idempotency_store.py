@@ -7,8 +7,14 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
+from toolchord.orchestrator.bench.processes import free_port
 from toolchord.worker.idempotency import ClaimState, IdempotencyStore, MemoryIdempotencyStore, RedisIdempotencyStore
+from toolchord.worker.models import ToolResult
+from toolchord.worker.pending_writes import PendingWrites
+from toolchord.worker.store_errors import StoreUnavailable
 
 LEASE = 0.05  # seconds: short enough to let a claim lapse within a test
 TTL = 60
@@ -85,3 +91,22 @@ def test_settling_a_started_or_finished_call_says_so(store: IdempotencyStore) ->
     store.complete("k", "first", "done", TTL)
     settled = store.settle("k", "t:k", TTL)
     assert (settled.state, settled.result_json) == (ClaimState.STORED, "done")
+
+
+def test_bookkeeping_riding_with_a_result_that_could_not_be_stored_goes_with_the_next_attempt(
+        clean_redis: redis.Redis) -> None:
+    pending = PendingWrites()
+    # A Redis nobody listens on, then the real one: the worker's result store retries (tasks._store).
+    unreachable = redis.Redis(port=free_port(), socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
+    down = RedisIdempotencyStore(unreachable, pending=pending)
+    up = RedisIdempotencyStore(clean_redis, pending=pending)
+    up.claim("k", "token", LEASE * 100, TTL)
+    pending.on_result(lambda result: lambda pipe: pipe.set("done-record", result.content))
+    pending.result_ready(ToolResult(call_id="c", name="t", status="ok", content="stored"))
+    with pytest.raises(StoreUnavailable):
+        down.complete("k", "token", "result", TTL)
+    assert clean_redis.get("done-record") is None
+    assert up.complete("k", "token", "result", TTL) == "result"
+    # The write the failed pipeline took went with the one that reached Redis, once.
+    assert clean_redis.get("done-record") == b"stored"
+    assert pending.take() == []

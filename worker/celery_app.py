@@ -40,10 +40,11 @@ def _celery_config(settings: Settings) -> dict[str, Any]:
         "result_expires": settings.result_ttl,
         "result_extended": False,
         "worker_prefetch_multiplier": 1,
-        # Workers send task events (Flower shows every call from "received" on); publishers don't
-        # send "sent" events and no STARTED state is stored: each costs a round trip per call, and
-        # toolchord knows a call started from its idempotency claim.
-        "worker_send_task_events": True,
+        # Workers send task events unless TOOLCHORD_TASK_EVENTS=off (Flower shows every call from
+        # "received" on; each event is a PUBLISH in the worker's main process, three per task).
+        # Publishers don't send "sent" events and no STARTED state is stored: each costs a round
+        # trip per call, and toolchord knows a call started from its idempotency claim.
+        "worker_send_task_events": settings.task_events,
         "task_send_sent_event": False,
         "task_track_started": False,
         "broker_connection_retry_on_startup": True,

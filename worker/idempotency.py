@@ -207,7 +207,7 @@ class RedisIdempotencyStore:
                  pending: PendingWrites | None = None) -> None:
         self.redis = client
         self.replica_timeout = replica_timeout
-        # Bookkeeping writes that ride along with the next claim (one round trip for both).
+        # Bookkeeping writes that ride along with the next claim or result (one round trip for both).
         self.pending = pending
         self._claim = client.register_script(_CLAIM)
         self._renew = client.register_script(_RENEW)
@@ -234,8 +234,14 @@ class RedisIdempotencyStore:
             pipe.eval(script.script, len(keys), *keys, *args)
             if replicas > 0:
                 pipe.wait(replicas, int(self.replica_timeout * 1000))
-            # A failed bookkeeping write must not fail the script's step.
-            replies = pipe.execute(raise_on_error=False)[first:]
+            try:
+                # A failed bookkeeping write must not fail the script's step.
+                replies = pipe.execute(raise_on_error=False)[first:]
+            except BaseException:
+                # Nothing was sent, or nobody knows: the step is tried again, and its writes with it.
+                if self.pending is not None:
+                    self.pending.give_back(writes)
+                raise
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
@@ -278,9 +284,10 @@ class RedisIdempotencyStore:
         names = _keys(key)
         keys = [names.result, names.claim, names.started, names.provisional]
         args = [token, result_json, ttl, "1" if provisional else "0"]
-        if replicas <= 0:
+        writes = self.pending.take() if self.pending is not None else []
+        if replicas <= 0 and not writes:
             return self._complete(keys=keys, args=args).decode()
-        stored, acknowledged = self._pipelined(self._complete, keys, args, replicas, [])
+        stored, acknowledged = self._pipelined(self._complete, keys, args, replicas, writes)
         if acknowledged < replicas:
             raise self._lag("the stored result", acknowledged, replicas)
         return stored.decode()

@@ -53,7 +53,9 @@ def worker_command(argv: Sequence[str] | None = None, env: dict[str, str] | None
     settings = Settings.from_env(env)
     if settings.embedded:
         raise ConfigError("toolchord worker needs TOOLCHORD_BROKER_URL: embedded mode runs its worker in-process")
-    args = ["worker", "--pool", "prefork", "--loglevel", known.loglevel, "--task-events"]
+    args = ["worker", "--pool", "prefork", "--loglevel", known.loglevel]
+    if settings.task_events:
+        args.append("--task-events")
     if known.queues:
         args += ["--queues", known.queues]
     else:

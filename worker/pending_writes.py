@@ -1,8 +1,9 @@
 """Writes that can wait for the calling thread's next round trip to Redis.
 
 A worker far from Redis pays each round trip of a call's path in latency (docs/deployment.md, "How
-far workers may be from Redis"). Bookkeeping that needs no answer, such as the call timeline's
-"running" record, is queued here and sent in the same pipeline as the call's claim.
+far workers may be from Redis"). Bookkeeping that needs no answer is queued here and sent in the
+same pipeline as the call's next step: the call timeline's "running" record with the claim, its
+"done" record with the stored result.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from toolchord.worker.models import ToolResult
+
 Write = Callable[[Any], object]  # adds its commands to a redis-py pipeline
+ResultWrite = Callable[[ToolResult], Write]  # the write that records a call's result
 
 
 class PendingWrites:
@@ -36,5 +40,20 @@ class PendingWrites:
         taken, queue[:] = list(queue), []
         return taken
 
+    def give_back(self, writes: list[Write]) -> None:
+        """Writes a pipeline took and could not send (Redis unreachable): the next one sends them."""
+        self._queue()[:0] = writes
 
-__all__ = ["PendingWrites", "Write"]
+    def on_result(self, make: ResultWrite | None) -> None:
+        """When this thread's call has its result, queue `make(result)` (None: nothing)."""
+        self._local.on_result = make
+
+    def result_ready(self, result: ToolResult) -> None:
+        """This thread's call has its result, about to be stored: queue its write, once."""
+        make: ResultWrite | None = getattr(self._local, "on_result", None)
+        self._local.on_result = None
+        if make is not None:
+            self.add(make(result))
+
+
+__all__ = ["PendingWrites", "ResultWrite", "Write"]

@@ -309,6 +309,8 @@ class CallExecution:
 
     def _store(self, token: str, result: ToolResult, *, provisional: bool = False) -> ToolResult:
         result_json = result.model_dump_json()
+        # Bookkeeping about this result (the call timeline's "done" record) rides in the same round trip.
+        self.rt.pending_writes.result_ready(result)
         # Keep trying through a Redis restart or failover, and until an unsafe call's result is on
         # enough replicas (settings.result_store_patience): the stored result is what this turn and
         # later ones report, so giving up at once would turn a finished call into OUTCOME_UNKNOWN or

@@ -33,6 +33,7 @@ from celery.signals import (
 from pydantic import ValidationError
 
 from toolchord.worker.limits import declared_limits
+from toolchord.worker.models import ToolResult
 from toolchord.worker.observability.call_timeline import CallTiming, add_timing, append_timing, read_timing, save_timing
 from toolchord.worker.observability.metrics import (
     LimitUsageCollector,
@@ -44,6 +45,7 @@ from toolchord.worker.observability.metrics import (
 )
 from toolchord.worker.observability.tracing import OpenSpan, configure_from_env, inject
 from toolchord.worker.payloads import CallPayload
+from toolchord.worker.pending_writes import Write
 from toolchord.worker.tasks import TASK_NAMES
 from toolchord.worker.worker_runtime import WorkerRuntime, runtime_of
 
@@ -51,7 +53,8 @@ log = logging.getLogger("toolchord.observability")
 
 METRICS_PORT_ENV = "TOOLCHORD_METRICS_PORT"
 METRICS_ADDRESS_ENV = "TOOLCHORD_METRICS_ADDRESS"
-# Two small Redis writes per call (start, end) feed the timeline page; `off` saves them.
+# Two small Redis writes per call (start, end) feed the timeline page, riding in the claim's and the
+# stored result's pipelines; `off` saves them.
 CALL_TIMELINE_ENV = "TOOLCHORD_CALL_TIMELINE"
 PUBLISHED_HEADER = "toolchord_published_at"
 _OFF = ("0", "off", "false", "no")
@@ -64,6 +67,8 @@ class _Delivery:
     payload: CallPayload
     timing: CallTiming
     span: OpenSpan
+    # The "done" record queued to go with the stored result (None until the result is ready).
+    done_write: Write | None = None
 
 
 # Deliveries between prerun and postrun, by task id (thread pools run several at once).
@@ -142,18 +147,41 @@ def _on_prerun(task_id: str = "", task: Any = None, kwargs: dict[str, Any] | Non
         "toolchord.side_effect": side_effect, "toolchord.attempt": timing.attempts,
         "toolchord.worker": request.hostname, "celery.task_id": task_id,
     })
+    delivery = _Delivery(runtime, payload, timing, span)
     with _open_lock:
-        _open[task_id] = _Delivery(runtime, payload, timing, span)
+        _open[task_id] = delivery
     m = metrics()
     # First attempts only: a retry's wait is mostly its backoff.
     if m is not None and timing.published_at is not None and timing.attempts == 1:
         m.queue_seconds.labels(queue or "").observe(max(now - timing.published_at, 0.0))
     if _timeline(runtime) is not None:
-        # The "running" record goes with the call's claim, in the same round trip.
+        # The "running" record goes with the call's claim, the "done" one with its stored result:
+        # the same round trips.
         ttl, running = runtime.settings.result_ttl, timing.model_copy()
         runtime.pending_writes.add(lambda pipe: add_timing(pipe, running, ttl))
+        runtime.pending_writes.on_result(lambda result: _done_write(delivery, result, ttl))
     else:
         _save(runtime, timing)
+
+
+def _finish(timing: CallTiming, result: dict[str, Any]) -> None:
+    """Mark `timing` done with `result` (a result dict; empty when the task returned none)."""
+    timing.phase = "done"
+    timing.code = result_code(result) if result else "error"
+    timing.attempts = int(result.get("attempts") or timing.attempts)
+
+
+def _done_write(delivery: _Delivery, result: ToolResult, ttl: int) -> Write:
+    """The "done" record of a call whose result is about to be stored (the delivery remembers it)."""
+    done = delivery.timing.model_copy()
+    done.finished_at = time.time()
+    _finish(done, result.model_dump(mode="json", include={"status", "error", "attempts"}))
+
+    def write(pipe: Any) -> None:
+        add_timing(pipe, done, ttl)
+
+    delivery.done_write = write
+    return write
 
 
 @task_postrun.connect
@@ -163,8 +191,11 @@ def _on_postrun(task_id: str = "", retval: Any = None, state: str | None = None,
     if delivery is None:
         return
     # A delivery that never claimed (unknown tool, deadline passed) still holds its "running"
-    # record: the final record below replaces it.
-    delivery.runtime.pending_writes.take()
+    # record: the final record below replaces it. A "done" record that went with the stored result
+    # is not written again; one whose pipeline failed is still queued, and written below.
+    pending = delivery.runtime.pending_writes
+    pending.on_result(None)
+    done_sent = delivery.done_write is not None and delivery.done_write not in pending.take()
     timing = delivery.timing
     timing.finished_at = time.time()
     m = metrics()
@@ -183,16 +214,15 @@ def _on_postrun(task_id: str = "", retval: Any = None, state: str | None = None,
             m.retries.labels(timing.tool, timing.side_effect).inc()
     else:
         result = retval[-1] if isinstance(retval, list) and retval and isinstance(retval[-1], dict) else {}
-        timing.phase = "done"
-        timing.code = result_code(result) if result else "error"
-        timing.attempts = int(result.get("attempts") or timing.attempts)
+        _finish(timing, result)
         failed = timing.code != "ok"
         delivery.span.end({"toolchord.error_code": timing.code if failed else None}, error=failed)
         if m is not None:
             m.calls.labels(timing.tool, timing.side_effect, timing.code).inc()
     if m is not None:
         m.call_seconds.labels(timing.tool, timing.side_effect).observe(timing.finished_at - timing.started_at)
-    _save(delivery.runtime, timing)
+    if not done_sent:
+        _save(delivery.runtime, timing)
 
 
 def _waited(retry: Any, payload: CallPayload) -> CallPayload | None:
