@@ -24,6 +24,8 @@ from celery import Celery, Task
 from celery.exceptions import Reject, Retry
 from kombu.exceptions import OperationalError
 
+from toolchord.worker.hard_limit import hard_limit_of
+
 log = logging.getLogger("toolchord.worker")
 
 # Left of the hard time limit when the wait ends: the task still answers the call (and may store
@@ -39,10 +41,9 @@ def give_up_at(task: Task, began: float, deadline: float) -> float:
     """The `time.monotonic()` instant a retry stops waiting for the broker: the call's `deadline`
     (epoch seconds), or shortly before the hard time limit of the task that began at `began`."""
     give_up = time.monotonic() + (deadline - time.time())
-    # The message's own limit (the orchestrator sets one per tool), else the task's or the app's.
-    hard = (task.request.timelimit or (None, None))[0] or task.time_limit
-    if hard:
-        give_up = min(give_up, began + float(hard) - _HARD_LIMIT_MARGIN)
+    hard = hard_limit_of(task)
+    if hard is not None:
+        give_up = min(give_up, began + hard - _HARD_LIMIT_MARGIN)
     return give_up
 
 
