@@ -18,6 +18,7 @@ from functools import cache
 from pathlib import Path
 from typing import IO
 
+import pytest
 from kombu import Connection
 from kombu.transport.native_delayed_delivery import MAX_LEVEL, level_name
 
@@ -134,3 +135,16 @@ class RabbitVhost:
 
 __all__ = ["DEFAULT_RABBITMQ", "LOCK_PATH", "RABBITMQ_ENV", "TEST_QUEUES", "RabbitUnavailable", "RabbitVhost", "rabbitmqctl",
            "using_rabbitmq"]
+
+
+def private_vhost() -> Iterator[RabbitVhost]:
+    """A fixture body: a new vhost on the local RabbitMQ, deleted afterwards; skip without RabbitMQ."""
+    vhost = RabbitVhost()
+    try:
+        with using_rabbitmq():
+            vhost.create()
+    except RabbitUnavailable as exc:
+        pytest.skip(f"RabbitMQ broker tests skipped: {exc}")
+    yield vhost
+    with using_rabbitmq():
+        vhost.delete()

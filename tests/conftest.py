@@ -17,7 +17,7 @@ from typing import Any, cast
 import pytest
 import redis
 
-from tests.brokers import RabbitUnavailable, RabbitVhost, using_rabbitmq
+from tests.brokers import RabbitVhost, private_vhost, using_rabbitmq
 from toolchord.orchestrator.bench import processes
 from toolchord.orchestrator.bench.processes import ROOT, ProcessStartError, RedisServer, WorkerProcess, free_port
 
@@ -70,15 +70,7 @@ def clean_redis(redis_server: RedisServer) -> Iterator[redis.Redis]:
 @pytest.fixture(scope="session")
 def rabbit_vhost() -> Iterator[RabbitVhost]:
     """A private vhost on the local RabbitMQ for this session, deleted afterwards; skip without RabbitMQ."""
-    vhost = RabbitVhost()
-    try:
-        with using_rabbitmq():
-            vhost.create()
-    except RabbitUnavailable as exc:
-        pytest.skip(f"RabbitMQ broker tests skipped: {exc}")
-    yield vhost
-    with using_rabbitmq():
-        vhost.delete()
+    yield from private_vhost()
 
 
 @pytest.fixture

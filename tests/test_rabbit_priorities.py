@@ -14,7 +14,7 @@ import redis
 from kombu import Connection, Exchange, Queue
 from kombu.transport.native_delayed_delivery import level_name
 
-from tests.brokers import RabbitUnavailable, RabbitVhost, rabbitmqctl, using_rabbitmq
+from tests.brokers import RabbitVhost, private_vhost, rabbitmqctl, using_rabbitmq
 from tests.cluster_helpers import call, run_in_thread, settings_for, wait_for
 from tests.priority_tools import GATE, ORDER
 from toolchord.orchestrator import Orchestrator
@@ -33,15 +33,7 @@ TOOLS = "tests.priority_tools"
 @pytest.fixture(scope="module")
 def classic_vhost() -> Iterator[RabbitVhost]:
     """A vhost of this module's own: the session's vhost holds quorum queues of the same names."""
-    vhost = RabbitVhost()
-    try:
-        with using_rabbitmq():
-            vhost.create()
-    except RabbitUnavailable as exc:
-        pytest.skip(f"RabbitMQ broker tests skipped: {exc}")
-    yield vhost
-    with using_rabbitmq():
-        vhost.delete()
+    yield from private_vhost()
 
 
 @pytest.fixture
