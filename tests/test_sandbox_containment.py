@@ -41,7 +41,10 @@ def next_call_still_works(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     with caplog.at_level("WARNING", logger="toolchord.sandbox"):
         yield
         outcome = run(tools.add, a=20, b=22)
-    assert (outcome.status, outcome.content) == ("ok", "42"), outcome
+    # The reason first: pytest cuts a long message short.
+    assert (outcome.status, outcome.content) == ("ok", "42"), (
+        f"{outcome.error_type}: {outcome.error_message}; layers {outcome.sandbox_layers}; output {outcome.output!r}"
+    )
     # The calls above ran in children of the zygote (the tools' module is importable by name),
     # and the zygote survived them.
     assert zygote_pid() is not None
