@@ -224,12 +224,17 @@ class _Plan:
     def tag(self, session: int, turn: int, k: int) -> str:
         return f"{self.run_id}:{session}:{turn}:{k}"
 
+    def expect(self, session: int, turn: int) -> list[str]:
+        """The tags of a turn's calls, each entered in the ledger as expected, not yet answered."""
+        tags = [self.tag(session, turn, k) for k in range(self.config.calls)]
+        for k, tag in enumerate(tags):
+            self.outcomes[tag] = CallOutcome(tag=tag, side_effect=self._class_of(session, turn, k), results=0)
+        return tags
+
     def calls(self, session: int, turn: int) -> list[ToolCall]:
         calls = []
-        for k in range(self.config.calls):
+        for k, tag in enumerate(self.expect(session, turn)):
             side_effect = self._class_of(session, turn, k)
-            tag = self.tag(session, turn, k)
-            self.outcomes[tag] = CallOutcome(tag=tag, side_effect=side_effect, results=0)
             args: dict[str, Any] = {"tag": tag, "work_ms": self.config.work_ms}
             if (session, turn, k) in self.doomed:
                 args["hold"] = True
@@ -270,10 +275,10 @@ class _BareTurns:
 
     async def run(self, plan: _Plan, session: int, turn: int) -> list[Any] | None:
         """Send one turn's chord and wait for its callback; the calls' results, or None."""
-        plan.calls(session, turn)  # registers the turn's tags in the ledger
-        ids = [f"bare-{uuid.uuid4().hex}" for _ in range(self.config.calls)]
-        header = [self.app.signature(BARE_CALL_TASK, args=(plan.tag(session, turn, k), self.config.work_ms),
-                                     queue=_QUEUE, task_id=ids[k]) for k in range(self.config.calls)]
+        tags = plan.expect(session, turn)
+        ids = [f"bare-{uuid.uuid4().hex}" for _ in tags]
+        header = [self.app.signature(BARE_CALL_TASK, args=(tag, self.config.work_ms), queue=_QUEUE, task_id=task_id)
+                  for tag, task_id in zip(tags, ids, strict=True)]
         body = self.app.signature(BARE_COLLECT_TASK, queue=_QUEUE, task_id=_BARE_COLLECT_PREFIX + uuid.uuid4().hex)
         sent = chord(header, body).apply_async()
         # Celery's Redis backend registers the header's results while applying the chord; nobody
