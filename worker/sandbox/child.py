@@ -161,6 +161,21 @@ def mark(step: str) -> None:
         _marks.append((step, time.monotonic(), time.process_time()))
 
 
+def exit_setup_failed() -> NoReturn:
+    """Exit with SETUP_FAILED_STATUS, from an `except` block, after one line on stderr saying
+    why: before its pipes are in place that is the worker's (or zygote's) stderr, its log, the
+    only place a child that fails this early can tell."""
+    try:
+        error = sys.exc_info()[1]
+        os.write(
+            2,
+            f"toolchord sandbox: a call's child failed before its result pipe was ready: "
+            f"{type(error).__name__}: {error}\n".encode(errors="replace"),
+        )
+    finally:
+        os._exit(SETUP_FAILED_STATUS)
+
+
 def child_main(plan: ChildPlan, confinement: Confinement | None = None) -> NoReturn:
     """Entry point right after fork, or in a spare confined ahead of its call (`confinement`,
     from `confine_ahead` with the same layers); never returns."""
@@ -177,7 +192,7 @@ def child_main(plan: ChildPlan, confinement: Confinement | None = None) -> NoRet
             forget_worker_secrets(plan.secret_holders)
         mark("descriptors")
     except BaseException:  # noqa: BLE001 - nothing may unwind into the worker's stack
-        os._exit(SETUP_FAILED_STATUS)
+        exit_setup_failed()
     # Inherited objects go to the permanent generation: a collection in the child then never walks
     # (and so never copies) the worker's whole heap. The child is short-lived, nothing leaks.
     gc.freeze()

@@ -1072,5 +1072,5 @@ class _Watch:
             return message
         code = os.WEXITSTATUS(status)
         if code == SETUP_FAILED_STATUS:
-            return f"child exited with status {code}: sandbox setup failed before the result pipe was ready"
+            return f"child exited with status {code}: sandbox setup failed before the result pipe was ready (the worker's log says why)"
         return f"child exited with status {code} without a result"

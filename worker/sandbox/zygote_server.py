@@ -43,10 +43,10 @@ from typing import NoReturn
 from toolchord.worker.context import ToolContext
 from toolchord.worker.registry import Registry
 from toolchord.worker.sandbox.child import (
-    SETUP_FAILED_STATUS,
     ChildPlan,
     child_main,
     confine_ahead,
+    exit_setup_failed,
     mark,
     rehearse,
     start_timings,
@@ -503,7 +503,7 @@ def _call_namespace_init(
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         call_pid = os.fork()
     except BaseException:  # noqa: BLE001 - nothing may unwind into the zygote's loop
-        os._exit(SETUP_FAILED_STATUS)
+        exit_setup_failed()
     if call_pid == 0:
         os.close(call_status)
         spare()
@@ -557,7 +557,7 @@ def _spare_main(
             message, fds = _receive_call(sock)
         received = (time.monotonic(), time.process_time())
         if len(fds) != CALL_FD_COUNT:
-            os._exit(SETUP_FAILED_STATUS)
+            raise OSError(f"the call came with {len(fds)} descriptors, not {CALL_FD_COUNT}")
         output_fd, result_fd, control_fd, payload_fd = fds
         raw = os.pread(payload_fd, os.fstat(payload_fd).st_size, 0)
         if prepared is None:
@@ -581,7 +581,7 @@ def _spare_main(
             start_timings("call received", received)
             mark("payload read")
     except BaseException:  # noqa: BLE001 - nothing may unwind into the zygote's loop
-        os._exit(SETUP_FAILED_STATUS)
+        exit_setup_failed()
     child_main(plan, confinement)
 
 
@@ -605,6 +605,22 @@ class _CallArrived(BaseException):
     the rehearsal runs, turns every Exception into an outcome)."""
 
 
+class _CallAlarm:
+    """The SIGIO handler of a rehearsing spare: raises `_CallArrived` once, then never again.
+
+    The worker sends a confined spare two messages back to back (its layers, then the call), so
+    a second SIGIO can run this handler while the first `_CallArrived` is being handled; raising
+    again there would escape the rehearsal and kill the spare before its call ran."""
+
+    def __init__(self) -> None:
+        self.armed = True
+
+    def __call__(self, _signum: int, _frame: object) -> None:
+        if self.armed:
+            self.armed = False
+            raise _CallArrived
+
+
 def _rehearse_until_called(
     sock: socket.socket,
     read_paths: tuple[str, ...],
@@ -614,18 +630,13 @@ def _rehearse_until_called(
     """Rehearse a call while none is there; the call's arrival (SIGIO on the call socket) stops
     the rehearsal at once, so a call never waits for it. Whatever it left half done, the real
     call sets up again."""
-    armed = [True]
-
-    def on_sigio(_signum: int, _frame: object) -> None:
-        if armed[0]:
-            raise _CallArrived
-
+    alarm = _CallAlarm()
     fd = sock.fileno()
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    signal.signal(signal.SIGIO, on_sigio)
-    fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
-    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_ASYNC)
     try:
+        signal.signal(signal.SIGIO, alarm)
+        fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_ASYNC)
         if not select.select([sock], [], [], 0)[0]:
             sample = CallPayload.model_validate_json(_SAMPLE_PAYLOAD)
             CallArguments.model_validate_json(_SAMPLE_PAYLOAD)  # what a confined spare reads
@@ -634,9 +645,9 @@ def _rehearse_until_called(
                     _REHEARSAL_TOOL, sample, (-1, -1, -1), read_paths, roots, zygote_pid
                 )
             )
-        armed[0] = False
+        alarm.armed = False
     except _CallArrived:
-        armed[0] = False
+        pass
     fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     signal.signal(signal.SIGIO, signal.SIG_DFL)
 
