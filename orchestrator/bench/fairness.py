@@ -38,7 +38,7 @@ from toolchord.worker.config import RabbitQueueType, Settings
 from toolchord.worker.models import ToolCall
 from toolchord.worker.registry import Registry
 
-TOOL_MODULE = "toolchord.orchestrator.bench.turn_tools"
+TOOL_MODULE = "toolchord.worker.bench_tools"
 TARGET = 2.0
 
 

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import redis
@@ -184,20 +184,23 @@ class WorkerProcess:
     """A real worker, started as users start one (`toolchord worker`, prefork pool), in its own process group."""
 
     def __init__(self, env: dict[str, str], queues: str, concurrency: int, name: str, log: Path,
-                 loglevel: str = "INFO") -> None:
+                 loglevel: str = "INFO", include: Sequence[str] = ()) -> None:
+        """`include`: modules of plain Celery tasks the worker's app imports (Celery's `--include`),
+        unlike tool modules (TOOLCHORD_TOOL_MODULES) not imported by the sandbox zygote."""
         self.env, self.queues, self.concurrency, self.name, self.log = env, queues, concurrency, name, log
-        self.loglevel = loglevel
+        self.loglevel, self.include = loglevel, tuple(include)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30.0) -> None:
         """Start the worker and wait for its ` ready.` log line; a worker that does not get there
         (or whose wait fails) is killed again, never left running."""
+        include = ["--include", ",".join(self.include)] if self.include else []
         with self.log.open("ab") as handle:
             # `toolchord worker` execs `celery worker --pool prefork --task-events` on toolchord's app.
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "toolchord.orchestrator.cli", "worker", "--concurrency", str(self.concurrency),
                  "--queues", self.queues, "--hostname", f"{self.name}@%h", "--loglevel", self.loglevel,
-                 "--without-mingle", "--without-gossip"],
+                 "--without-mingle", "--without-gossip", *include],
                 env=self.env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
             )
         try:

@@ -48,8 +48,8 @@ import redis
 from celery import chord
 from pydantic import BaseModel, Field
 
+from toolchord.orchestrator.bench.bare_tasks import BARE_CALL_TASK, BARE_COLLECT_TASK
 from toolchord.orchestrator.bench.processes import RedisServer, WorkerProcess, worker_env
-from toolchord.orchestrator.bench.turn_tools import BARE_CALL_TASK, BARE_COLLECT_TASK
 from toolchord.orchestrator.runtime import Orchestrator
 from toolchord.worker.celery_app import create_app
 from toolchord.worker.config import Settings
@@ -57,7 +57,11 @@ from toolchord.worker.models import ToolCall
 from toolchord.worker.redis_clients import scheme_of
 from toolchord.worker.registry import Registry
 
-TOOL_MODULE = "toolchord.orchestrator.bench.turn_tools"
+# The tools (imported by the worker's sandbox zygote too) and the bare chord's tasks (by the
+# worker's Celery app alone): the zygote's heap, which every sandboxed call's fork touches, stays
+# that of a small tool module.
+TOOL_MODULE = "toolchord.worker.bench_tools"
+BARE_TASKS_MODULE = "toolchord.orchestrator.bench.bare_tasks"
 QUEUE = "toolchord"
 P50_TARGET = 1.15
 THROUGHPUT_TARGET = 0.9
@@ -495,7 +499,7 @@ def run(params: Parameters, workdir: Path, broker_url: str | None = None) -> Rep
         env = worker_env(server.url, TOOL_MODULE, TOOLCHORD_BROKER_URL=broker_url or server.url,
                          TOOLCHORD_REDIS_URL=server.url)
         worker = WorkerProcess(env, QUEUE, params.concurrency, "bench",
-                               workdir / "worker.log", loglevel="WARNING")
+                               workdir / "worker.log", loglevel="WARNING", include=[BARE_TASKS_MODULE])
         # Registered before start(): a Ctrl-C during start-up must not leave the worker running.
         cleanup.callback(worker.kill)
         worker.start()
