@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import queue
-import socket
 import threading
 import time
 import uuid
@@ -86,97 +83,3 @@ def task_meta(app: Celery, task_id: str) -> dict[str, Any]:
         return dict(app.backend.get_task_meta(task_id))
     except redis.ConnectionError:
         return {}
-
-
-class Forwarder:
-    """A TCP forwarder in front of a server that can be frozen (a partition) or slowed (latency).
-
-    `freeze()` stops carrying bytes both ways while every connection stays open, as a network
-    partition does: neither side sees an error, what they send waits in the forwarder. `thaw()`
-    delivers what waited and carries on. `delay` holds every chunk that long in each direction
-    (one-way latency; the round trip costs twice that). New connections are accepted while frozen,
-    and their bytes wait like the others.
-    """
-
-    def __init__(self, upstream_port: int, *, delay: float = 0.0) -> None:
-        self.upstream_port = upstream_port
-        self.delay = delay
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self._flowing = threading.Event()
-        self._flowing.set()
-        self._lock = threading.Lock()
-        # Chunks that arrived from a client while frozen (a client blocked on the partition).
-        self.held_from_clients = 0
-        self._sockets: list[socket.socket] = []
-        self._closed = False
-        threading.Thread(target=self._accept, name="forwarder-accept", daemon=True).start()
-
-    def url(self, db: int = 0) -> str:
-        """A Redis URL through the forwarder."""
-        return f"redis://127.0.0.1:{self.port}/{db}"
-
-    def freeze(self) -> None:
-        """Stop carrying bytes: connections stay open and silent."""
-        with self._lock:
-            self.held_from_clients = 0
-        self._flowing.clear()
-
-    def thaw(self) -> None:
-        """Carry bytes again, those that waited first."""
-        self._flowing.set()
-
-    def close(self) -> None:
-        """Close the listener and every connection (the forwarder's peers see them drop)."""
-        self._closed = True
-        self._flowing.set()
-        with self._lock:
-            sockets, self._sockets = list(self._sockets), []
-        for sock in [self.listener, *sockets]:
-            with contextlib.suppress(OSError):
-                sock.close()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self.listener.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            except OSError:
-                return
-            with self._lock:
-                self._sockets += [client, upstream]
-            for source, sink, from_client in ((client, upstream, True), (upstream, client, False)):
-                threading.Thread(target=self._carry, args=(source, sink, from_client), daemon=True).start()
-
-    def _carry(self, source: socket.socket, sink: socket.socket, from_client: bool) -> None:
-        """Copy one direction; while frozen, what arrives waits here."""
-        chunks: queue.Queue[tuple[float, bytes]] = queue.Queue()
-        sender = threading.Thread(target=self._send, args=(chunks, sink), daemon=True)
-        sender.start()
-        while True:
-            try:
-                data = source.recv(65536)
-            except OSError:
-                data = b""
-            if data and not self._flowing.is_set() and from_client:
-                with self._lock:
-                    self.held_from_clients += 1
-            chunks.put((time.monotonic() + self.delay, data))
-            if not data:
-                return
-
-    def _send(self, chunks: queue.Queue[tuple[float, bytes]], sink: socket.socket) -> None:
-        while True:
-            due, data = chunks.get()
-            self._flowing.wait()
-            wait = due - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)
-            self._flowing.wait()
-            try:
-                if not data:
-                    sink.shutdown(socket.SHUT_WR)
-                    return
-                sink.sendall(data)
-            except OSError:
-                return

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import selectors
-import socket
 import threading
 from typing import Any
 
@@ -19,6 +17,7 @@ import pytest
 import redis
 
 from tests.cluster_helpers import TOOLS, call, orchestrator, wait_for
+from tests.tcp_forwarder import Forwarder
 from toolchord.worker import idempotency
 from toolchord.worker.observability.call_timeline import read_timing
 
@@ -103,53 +102,13 @@ def test_task_events_off_saves_their_publishes(start_worker, redis_url, clean_re
     assert _task_events(commands) == []
 
 
-class RoundTripProxy:
-    """A TCP proxy in front of Redis counting round trips: a client sending after Redis answered it.
-
-    Lease renewals are left out: they run on their own thread beside the handler."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.round_trips = 0
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            client, _ = self.listener.accept()
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            threading.Thread(target=self._relay, args=(client, upstream), daemon=True).start()
-
-    def _relay(self, client: socket.socket, upstream: socket.socket) -> None:
-        selector = selectors.DefaultSelector()
-        selector.register(client, selectors.EVENT_READ)
-        selector.register(upstream, selectors.EVENT_READ)
-        waiting = False  # the client has sent and has had no answer yet
-        while True:
-            for key, _ in selector.select():
-                data = key.fileobj.recv(65536)
-                if not data:
-                    client.close()
-                    upstream.close()
-                    return
-                if key.fileobj is client:
-                    if not waiting and _RENEW_SHA.encode() not in data:
-                        with self._lock:
-                            self.round_trips += 1
-                    waiting = True
-                    upstream.sendall(data)
-                else:
-                    waiting = False
-                    client.sendall(data)
-
-
 def test_one_unsafe_call_costs_two_redis_round_trips_of_bookkeeping(start_worker, redis_server, redis_url,
                                                                       clean_redis):
-    proxy = RoundTripProxy(redis_server.port)
+    # Round trips of a client sending after Redis answered it; lease renewals run on their own
+    # thread beside the handler, so they are left out.
+    proxy = Forwarder(redis_server.port, counted=lambda chunk: _RENEW_SHA.encode() not in chunk)
     # Claims, results and the timeline through the proxy; the broker and Celery's backend direct.
-    start_worker(TOOLS, concurrency=1, TOOLCHORD_REDIS_URL=f"redis://127.0.0.1:{proxy.port}/0",
+    start_worker(TOOLS, concurrency=1, TOOLCHORD_REDIS_URL=proxy.url(),
                  TOOLCHORD_RESULT_BACKEND=redis_url)
     orch = orchestrator(redis_url)
 

@@ -7,7 +7,7 @@
   blocked on a partitioned socket, cannot end it (worker/hard_limit.py).
 
 Real private redis-server, real `toolchord worker` processes; a partition or a slow link is a
-`Forwarder` between a worker and Redis (tests/cluster_helpers.py).
+`Forwarder` between a worker and Redis (tests/tcp_forwarder.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import pytest
 import redis
 from celery import states
 
-from tests.cluster_helpers import TOOLS, Forwarder, call, orchestrator, run_in_thread, wait_for
+from tests.cluster_helpers import TOOLS, call, orchestrator, run_in_thread, wait_for
+from tests.tcp_forwarder import Forwarder
 from toolchord.orchestrator.bench.processes import RedisServer
 from toolchord.worker import ErrorCode
 from toolchord.worker.hard_limit import GRACE

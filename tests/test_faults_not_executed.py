@@ -11,15 +11,10 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import select
 import signal
-import socket
-import socketserver
 import struct
 import termios
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -37,6 +32,7 @@ from tests.cluster_helpers import (
     task_meta,
     wait_for,
 )
+from tests.tcp_forwarder import Forwarder
 from toolchord.orchestrator.bench.processes import WorkerProcess, free_port
 from toolchord.worker import ErrorCode, Registry
 from toolchord.worker.celery_app import create_app
@@ -200,54 +196,6 @@ def test_streamed_turn_whose_broker_is_unreachable_ends_settled_when_its_message
     assert orch.turns.active("s-stream-no-broker") is None
 
 
-class _Pipe(socketserver.BaseRequestHandler):
-    """Forwards one connection to the server's target, both ways, until either side closes, or
-    until the server's `hold` picks a chunk: that chunk is not passed on, and the connection
-    forwards nothing more until the server is released."""
-
-    def handle(self) -> None:
-        server: _Forwarder = self.server  # type: ignore[assignment]
-        with socket.create_connection(server.target) as upstream:
-            ends = [self.request, upstream]
-            while not server.released.is_set():
-                readable, _, _ = select.select(ends, [], [], 0.1)
-                for end in readable:
-                    data = end.recv(65536)
-                    if not data:
-                        return
-                    to_target = end is self.request
-                    if server.hold is not None and server.armed.is_set() and server.hold(to_target, data):
-                        server.held.set()
-                        server.released.wait()
-                        return
-                    (upstream if to_target else self.request).sendall(data)
-
-
-class _Forwarder(socketserver.ThreadingTCPServer):
-    """A TCP forwarder on a loopback port; `hold(to_target, chunk)`, once `armed`, stops a connection at a chunk."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, port: int, target: tuple[str, int],
-                 hold: Callable[[bool, bytes], bool] | None = None) -> None:
-        super().__init__(("127.0.0.1", port), _Pipe)
-        self.target = target
-        self.hold = hold
-        self.armed = threading.Event()
-        self.held = threading.Event()
-        self.released = threading.Event()
-
-    def serve_in_background(self) -> None:
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        """Stop accepting and end every forwarded connection."""
-        self.released.set()
-        self.shutdown()
-        self.server_close()
-
-
 def _via(url: str, port: int) -> str:
     """`url` with its host and port replaced by the loopback `port` (credentials and path kept)."""
     parts = urlsplit(url)
@@ -281,8 +229,7 @@ def test_worker_killed_just_after_the_broker_handed_it_a_call(start_worker, redi
 
     real = urlsplit(broker_url)
     port = free_port()
-    proxy = _Forwarder(port, (real.hostname or "127.0.0.1", real.port or 6379), hold=taken)
-    proxy.serve_in_background()
+    proxy = Forwarder(real.port or 6379, host=real.hostname or "127.0.0.1", port=port, hold=taken)
     try:
         taker = start_worker(TOOLS, concurrency=1, name="taker", TOOLCHORD_BROKER_URL=_via(broker_url, port))
         proxy.armed.set()
@@ -320,8 +267,7 @@ def test_turn_published_while_rabbitmq_is_unreachable_runs_once_it_is_back(
                         turn_timeout=40)
     thread, box = run_in_thread(orch.run_calls, "s-broker-back", [call(0, "effect_unsafe", key="k-back")])
     wait_for(lambda: "waiting for it until the deadline" in caplog.text, 30, "the turn to wait for the broker")
-    forwarder = _Forwarder(port, (real.hostname or "127.0.0.1", real.port or 5672))
-    forwarder.serve_in_background()
+    forwarder = Forwarder(real.port or 5672, host=real.hostname or "127.0.0.1", port=port)
     try:
         thread.join(90)
         assert not thread.is_alive(), "the turn hung"
