@@ -194,6 +194,30 @@ def test_metrics_of_real_calls_are_scraped_over_http(start_worker, redis_url, tm
     assert _value(after, "toolchord_queue_depth", queue="b") == 1
 
 
+_SCRAPE_WITH_A_FILE_AT_ZERO_BYTES = """
+import os
+from prometheus_client import generate_latest
+from toolchord.worker.observability.metrics import metrics, registry
+
+metrics().calls.labels("echo", "read", "ok").inc()
+# What a pool process leaves between creating its file and sizing it (or forever, if it is
+# killed right then).
+open(os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], "counter_4242.db"), "wb").close()
+print(generate_latest(registry()).decode())
+"""
+
+
+def test_a_scrape_while_a_pool_process_creates_its_metrics_file_succeeds(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", _SCRAPE_WITH_A_FILE_AT_ZERO_BYTES], check=False,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert 'toolchord_calls_total{code="ok",side_effect="read",tool="echo"} 1.0' in done.stdout, done.stdout
+
+
 _WITHOUT_EXTRAS = """
 import importlib.abc, sys
 

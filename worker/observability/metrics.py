@@ -7,6 +7,7 @@ own through `toolchord.orchestrator.observability.metrics_app()`. docs/operation
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -88,14 +89,34 @@ def registry(extra: Iterable[Any] = ()) -> Any:
     # A registry per endpoint, so each may add collectors of its own (queue depth).
     served = CollectorRegistry(auto_describe=True)
     if multiprocess_mode():
-        from prometheus_client import multiprocess
-
-        multiprocess.MultiProcessCollector(served)
+        _StartedFilesCollector(served)
     else:
         served.register(prometheus_client.REGISTRY)
     for collector in extra:
         served.register(collector)
     return served
+
+
+if prometheus_client is not None:
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    class _StartedFilesCollector(MultiProcessCollector):
+        """The merged per-process files, without those still at 0 bytes.
+
+        prometheus-client creates a process's file before it sizes it, and reading one at 0
+        bytes raises out of the whole merge (prometheus/client_python#1199): a scrape while a
+        pool process starts, or forever after one is killed in that window, answered 500. A
+        file at 0 bytes holds no value yet, so leaving it out loses nothing."""
+
+        def collect(self) -> Any:
+            files = []
+            for path in glob.glob(os.path.join(self._path, "*.db")):
+                try:
+                    if os.path.getsize(path) > 0:
+                        files.append(path)
+                except FileNotFoundError:  # a live gauge's file, its process marked dead
+                    continue
+            return self.merge(files, accumulate=True)
 
 
 class QueueDepthCollector:
