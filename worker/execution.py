@@ -7,9 +7,9 @@ crosses the pipe back to the worker.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
+from collections.abc import Coroutine
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -93,17 +93,25 @@ def outcome_from_exception(spec: ToolSpec, exc: BaseException) -> HandlerOutcome
     )
 
 
+def _run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    # Imported on first use: asyncio (with ssl) is 4 MB of heap that the sandbox zygote would
+    # otherwise hold, and every spare it forks would copy the page tables of.
+    import asyncio
+
+    return asyncio.run(coroutine)
+
+
 def call_handler(spec: ToolSpec, args: BaseModel, context: ToolContext) -> HandlerOutcome:
     """Run the handler (sync or async) to completion and describe how it ended. Never raises."""
     start = time.perf_counter()
     try:
         kwargs = handler_kwargs(spec, args, context)
         if spec.is_async:
-            value = asyncio.run(spec.handler(**kwargs))
+            value = _run_coroutine(spec.handler(**kwargs))
         else:
             value = spec.handler(**kwargs)
-            if asyncio.iscoroutine(value):
-                value = asyncio.run(value)
+            if isinstance(value, Coroutine):
+                value = _run_coroutine(value)
         outcome = outcome_from_value(value)
     except Exception as exc:  # noqa: BLE001 - the tool boundary turns every failure into a value
         outcome = outcome_from_exception(spec, exc)
