@@ -18,6 +18,7 @@ or it is `/`) has the file itself covered by `/dev/null`.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -47,7 +48,7 @@ def secret_directories(workdir: str) -> tuple[str, ...]:
     ]
     candidates = [*SECRET_DIRECTORIES, os.environ.get("CREDENTIALS_DIRECTORY", "")]
     candidates += [os.path.dirname(value) for value in secret_files]
-    needed = [os.path.realpath(p) for p in (workdir, sys.prefix, sys.base_prefix)]
+    needed = [os.path.realpath(workdir), *_interpreter_paths()]
     found: list[str] = []
     for candidate in candidates:
         if not candidate or not os.path.isdir(candidate):
@@ -64,6 +65,13 @@ def secret_directories(workdir: str) -> tuple[str, ...]:
         if os.path.isfile(real) and not covered and real not in found:
             found.append(real)
     return tuple(found)
+
+
+@functools.cache
+def _interpreter_paths() -> tuple[str, ...]:
+    # Resolved once per process: the interpreter does not move while the worker runs, and each
+    # realpath costs a stat per path component on every spare's preparation.
+    return tuple(os.path.realpath(p) for p in (sys.prefix, sys.base_prefix))
 
 
 def mount_workdir(path: str, size_mb: int, hidden: tuple[str, ...] = ()) -> None:
