@@ -545,9 +545,7 @@ def _spare_main(
             confinement = confine_ahead(
                 _plan(
                     _REHEARSAL_TOOL,
-                    CallPayload.model_validate_json(_SAMPLE_PAYLOAD).model_copy(
-                        update=dict(prepared)
-                    ),
+                    _SAMPLE.model_copy(update=dict(prepared)),
                     (-1, -1, -1),
                     read_paths,
                     roots,
@@ -718,6 +716,8 @@ _SAMPLE_PAYLOAD = CallPayload(
     landlock_abi=0,
     write_paths=("/dev/null",),
 ).model_dump_json()
+_SAMPLE = CallPayload.model_validate_json(_SAMPLE_PAYLOAD)
+"""Parsed once, in the zygote: a spare confined ahead only copies it with its layers."""
 
 
 def _send(sock: socket.socket, data: bytes) -> None:
