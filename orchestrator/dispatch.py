@@ -107,8 +107,14 @@ class CallDispatcher:
             priority=broker_priority(call_priority(rank, record.priority, spec.priority), self._broker_kind),
         )
 
-    def send_turn(self, record: TurnRecord) -> str | None:
-        """Send the turn's chord; returns the callback's task id (None when nothing needs a worker)."""
+    @staticmethod
+    def callback_id(record: TurnRecord) -> str:
+        """A new task id for the turn's chord callback (each send of a resubmitted turn gets its own):
+        known before the chord is sent, so a waiter can listen for it first."""
+        return "tc-collect-" + digest(record.session_id, record.turn_id, str(time.time_ns()))
+
+    def send_turn(self, record: TurnRecord, body_id: str) -> str | None:
+        """Send the turn's chord with callback `body_id`; returns it (None when nothing needs a worker)."""
         if not record.dispatched:
             return None
         by_id = {dc.call.id: dc for dc in record.dispatched}
@@ -117,7 +123,6 @@ class CallDispatcher:
         for group in record.groups:
             sigs = [self.signature(record, by_id[cid], first=i == 0, rank=rank[cid]) for i, cid in enumerate(group)]
             header.append(sigs[0] if len(sigs) == 1 else chain(*sigs))
-        body_id = "tc-collect-" + digest(record.session_id, record.turn_id, str(time.time_ns()))
         # Every header message carries a copy of the body (docs/architecture.md, "Celery behaviour"), so
         # the body has no per-call arguments: the orchestrator orders the results from its own record.
         # The callback goes first: the turn's results are ready, and a worker busy with a fan-out's
@@ -146,21 +151,21 @@ class CallDispatcher:
             sigs = [self.signature(record, by_id[cid], first=i == 0, rank=rank[cid]) for i, cid in enumerate(todo)]
             (sigs[0] if len(sigs) == 1 else chain(*sigs)).apply_async()
 
-    def send_turn_patiently(self, record: TurnRecord) -> str | None:
+    def send_turn_patiently(self, record: TurnRecord, body_id: str) -> str | None:
         """`send_turn`, waiting up to the turn's deadline for a broker that cannot be reached (a
         restart, a failover); OperationalError when it still cannot be reached then."""
         try:
-            return self.send_turn(record)
+            return self.send_turn(record, body_id)
         except OperationalError as exc:
             log.warning("turn %s: the broker is unreachable (%s); waiting for it until the deadline", record.turn_id, exc)
         # Celery's publish retry cannot cover this: kombu connects a producer with the connection's
         # own options, not the publish's retry policy (kombu issues 735, 1024). Resending is safe: a
-        # resubmitted chord keeps its task ids and keys.
+        # resubmitted chord keeps its task ids and keys (and its callback's, which the waiter listens for).
         with self.app.connection_for_write() as connection:
             connection.ensure_connection(
                 timeout=max(record.deadline - time.time(), 0.001), interval_start=0, interval_step=0.5, interval_max=1
             )
-        return self.send_turn(record)
+        return self.send_turn(record, body_id)
 
     def send_signature(self, signature: dict[str, Any], deadline: float) -> None:
         """Send a call as the signature it was planned as (stored as a dict), with a new run deadline."""

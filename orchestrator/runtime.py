@@ -201,39 +201,51 @@ class Orchestrator:
 
     # -- running ------------------------------------------------------------------------------
 
-    def _start(
+    def _open(
         self, session_id: str, calls: list[ToolCall], provider: Provider, turn_id: str | None, *,
         tenant: str | None = None, priority: PriorityClass | None = None,
-    ) -> TurnResult | tuple[TurnRecord, str]:
-        """Plan and dispatch the turn (or find it): a finished TurnResult, or the record and callback id."""
+    ) -> TurnResult | TurnRecord:
+        """Plan and record the turn (or find it): a finished TurnResult, or the record to send."""
         turn_id = turn_id or digest(session_id, *(c.id for c in calls))
-        found, late = self.turns.find(session_id, turn_id)
+        found: TurnResult | TurnRecord | None
+        if self.permission_hook is None:
+            # Planning asks nobody outside this process: plan first, then look the turn up and record
+            # the plan in one round trip (a resubmitted turn gets its first plan back).
+            planned = self.plan(session_id, turn_id, calls, provider, tenant=tenant, priority=priority)
+            found, late = self.turns.begin(planned)
+        else:
+            # The hook may ask a person: a resubmitted turn must not ask again, so look first.
+            found, late = self.turns.find(session_id, turn_id)
+            if found is None:
+                found = self.plan(session_id, turn_id, calls, provider, tenant=tenant, priority=priority)
+                self.turns.save(found)
         if isinstance(found, TurnResult):
             return found
-        record = found
-        if record is None:
-            record = self.plan(session_id, turn_id, calls, provider, tenant=tenant, priority=priority)
-            self.turns.save(record)
         # Idempotent: a turn resumed after a crash between the two writes still records its held calls.
-        self.approvals.request(record)
-        record._late = tuple(late)
-        turn = (session_id, turn_id)
+        self.approvals.request(found)
+        found._late = tuple(late)
+        return found
+
+    def _send(self, record: TurnRecord, body_id: str) -> TurnResult | str:
+        """Send the turn's chord with callback `body_id`: the callback id, or the TurnResult when
+        nothing needed a worker or the broker stayed unreachable."""
+        turn = (record.session_id, record.turn_id)
         self._listen_for_cancels()
         self._waiting.add(turn)
         try:
             # A resubmitted chord keeps task ids and keys: stored results return without running again.
-            body_id = self.dispatcher.send_turn_patiently(record)
+            sent = self.dispatcher.send_turn_patiently(record, body_id)
         except OperationalError as exc:
             # The broker stayed unreachable until the deadline: no call may start later, each gets
             # its truthful result (NOT_EXECUTED unless part of the chord got out and started).
-            log.warning("turn %s: the broker was unreachable: %s", turn_id, exc)
+            log.warning("turn %s: the broker was unreachable: %s", record.turn_id, exc)
             return self._finish(record, None, "the broker could not be reached before the turn's deadline")
         except BaseException:
             self._waiting.discard(turn)
             raise
-        if body_id is None:
+        if sent is None:
             return self._finish(record, [], "")
-        return record, body_id
+        return sent
 
     def _listen_for_cancels(self) -> None:
         """Start hearing other processes' cancel announcements (once; distributed mode only)."""
@@ -257,8 +269,9 @@ class Orchestrator:
         return TurnWait(
             record,
             callback_slice=callback_slice,
-            cancelled=lambda ask_redis: turn in self._cancelled_here or (ask_redis and self.turns.cancelled(*turn)),
+            cancelled=lambda: turn in self._cancelled_here,
             all_stored=lambda: self._all_stored(record),
+            look=lambda: self._look(record),
             has_callback=has_callback,
         )
 
@@ -275,9 +288,7 @@ class Orchestrator:
 
     def start_streamed(self, record: TurnRecord, already_sent: set[str]) -> None:
         """Save a streamed turn's record and send the calls not sent while it streamed."""
-        found, late = self.turns.find(record.session_id, record.turn_id)
-        if found is None:
-            self.turns.save(record)
+        _, late = self.turns.begin(record)
         self.approvals.request(record)
         record._late = tuple(late)
         self.watch(record)
@@ -337,6 +348,16 @@ class Orchestrator:
             log.warning("reading turn %s's results: %s", record.turn_id, exc)
             return False
 
+    def _look(self, record: TurnRecord) -> tuple[bool, bool]:
+        """The turn's cancel flag in Redis and whether every dispatched call has a stored result, in
+        one round trip (False, False if unreachable: the turn keeps to its deadline)."""
+        try:
+            flagged, stored = self.turns.look(record.session_id, record.turn_id, [dc.key for dc in record.dispatched])
+        except StoreUnavailable as exc:
+            log.warning("looking at turn %s: %s", record.turn_id, exc)
+            return False, False
+        return flagged, all(raw is not None for raw in stored)
+
     @observed_turn
     def run_calls(
         self, session_id: str, calls: list[ToolCall], *, turn_id: str | None = None, provider: Provider = "chat",
@@ -346,11 +367,13 @@ class Orchestrator:
 
         `tenant` and `priority` override the orchestrator's defaults for this turn (docs/flow-control.md).
         """
-        started = self._start(session_id, calls, provider, turn_id, tenant=tenant, priority=priority)
-        if isinstance(started, TurnResult):
-            return started
-        record, body_id = started
-        end = wait_blocking(self._turn_wait(record, BLOCKING_SLICE), self.app.AsyncResult(body_id))
+        record = self._open(session_id, calls, provider, turn_id, tenant=tenant, priority=priority)
+        if isinstance(record, TurnResult):
+            return record
+        sent = self._send(record, self.dispatcher.callback_id(record))
+        if isinstance(sent, TurnResult):
+            return sent
+        end = wait_blocking(self._turn_wait(record, BLOCKING_SLICE), self.app.AsyncResult(sent))
         return self._finish(record, end.collected, end.reason)
 
     def run_turn(
@@ -380,12 +403,19 @@ class Orchestrator:
         tenant: str | None = None, priority: PriorityClass | None = None,
     ) -> TurnResult:
         """Async twin of `run_calls`: waits on the event loop, no thread per waiting turn."""
-        started = self._start(session_id, calls, provider, turn_id, tenant=tenant, priority=priority)
-        if isinstance(started, TurnResult):
-            return started
-        record, body_id = started
+        record = self._open(session_id, calls, provider, turn_id, tenant=tenant, priority=priority)
+        if isinstance(record, TurnResult):
+            return record
+        waiter, body_id = self._waiter(), self.dispatcher.callback_id(record)
+        if record.dispatched:
+            # Listening before the chord goes out: no result can come before the subscription, so
+            # the first wait needs no look at the result key.
+            await waiter.expect(body_id)
+        sent = self._send(record, body_id)
+        if isinstance(sent, TurnResult):
+            return sent
         try:
-            end = await wait_async(self._turn_wait(record, ASYNC_SLICE), self._waiter(), body_id)
+            end = await wait_async(self._turn_wait(record, ASYNC_SLICE), waiter, sent)
         except asyncio.CancelledError:
             # The caller stopped waiting (the turn goes on: `resume` or a retry with the same ids
             # finds it); this process keeps no trace of it.

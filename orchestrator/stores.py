@@ -28,7 +28,8 @@ class OrchestratorStores:
         self.settings = settings
         self.worker = worker
         self.turns: TurnStore = (
-            MemoryTurnStore() if worker.redis is None else RedisTurnStore(worker.redis, settings.result_ttl)
+            MemoryTurnStore(results=worker.idempotency.results) if worker.redis is None
+            else RedisTurnStore(worker.redis, settings.result_ttl)
         )
         self.approvals: ApprovalStore = (
             MemoryApprovalStore() if worker.redis is None else RedisApprovalStore(worker.redis)

@@ -8,17 +8,24 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import redis
 
 from toolchord.orchestrator.turn import LateCall, TurnRecord, TurnResult
+from toolchord.worker.idempotency import result_key
 from toolchord.worker.store_errors import store_operation
 
 
 class TurnStore(Protocol):
     def save(self, record: TurnRecord) -> None: ...
+
+    def begin(self, record: TurnRecord) -> tuple[TurnResult | TurnRecord, list[LateCall]]:
+        """Save `record` unless its turn exists, and read the session's late calls, in one round trip:
+        the turn's result when it finished, else its record as saved before (a resubmitted turn keeps
+        its plan), else `record`, now saved."""
+        ...
 
     def active(self, session_id: str) -> TurnRecord | None:
         """The session's turn that has not finished, if any."""
@@ -44,6 +51,24 @@ class TurnStore(Protocol):
 
     def cancelled(self, session_id: str, turn_id: str) -> bool: ...
 
+    def look(self, session_id: str, turn_id: str, keys: Sequence[str]) -> tuple[bool, list[str | None]]:
+        """Whether the turn's cancel flag is set, and the stored results of the idempotency `keys`
+        (one round trip for both: a waiting turn asks for them together)."""
+        ...
+
+
+# Save the record unless the turn exists, and read the late calls: a turn's start in one round trip.
+# KEYS: result, record, active, late; ARGV: record JSON, turn id, TTL.
+_BEGIN = """
+local late = redis.call('HVALS', KEYS[4])
+local result = redis.call('GET', KEYS[1])
+if result then return {'result', result, late} end
+local record = redis.call('GET', KEYS[2])
+if record then return {'record', record, late} end
+redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[3])
+redis.call('SET', KEYS[3], ARGV[2], 'EX', ARGV[3])
+return {'saved', false, late}
+"""
 
 
 class RedisTurnStore:
@@ -52,6 +77,7 @@ class RedisTurnStore:
     def __init__(self, client: redis.Redis, ttl: int) -> None:
         self.redis = client
         self.ttl = ttl
+        self._begin = client.register_script(_BEGIN)
 
     @staticmethod
     def _key(session_id: str, turn_id: str, part: str = "record") -> str:
@@ -63,6 +89,19 @@ class RedisTurnStore:
         pipe.set(self._key(record.session_id, record.turn_id), record.model_dump_json(), ex=self.ttl)
         pipe.set(f"toolchord:turn:{record.session_id}:active", record.turn_id, ex=self.ttl)
         pipe.execute()
+
+    @store_operation
+    def begin(self, record: TurnRecord) -> tuple[TurnResult | TurnRecord, list[LateCall]]:
+        session_id, turn_id = record.session_id, record.turn_id
+        keys = [self._key(session_id, turn_id, "result"), self._key(session_id, turn_id),
+                f"toolchord:turn:{session_id}:active", f"toolchord:late:{session_id}"]
+        state, found, late_values = self._begin(keys=keys, args=[record.model_dump_json(), turn_id, self.ttl])
+        late = [LateCall.model_validate_json(v) for v in late_values]
+        if state == b"result":
+            return TurnResult.model_validate_json(found), late
+        if state == b"record":
+            return TurnRecord.model_validate_json(found), late
+        return record, late
 
     @store_operation
     def active(self, session_id: str) -> TurnRecord | None:
@@ -115,6 +154,17 @@ class RedisTurnStore:
     def cancelled(self, session_id: str, turn_id: str) -> bool:
         return bool(self.redis.exists(self._key(session_id, turn_id, "cancel")))
 
+    @store_operation
+    def look(self, session_id: str, turn_id: str, keys: Sequence[str]) -> tuple[bool, list[str | None]]:
+        # The idempotency store shares this client (toolchord.worker.stores): one pipeline for both.
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.exists(self._key(session_id, turn_id, "cancel"))
+        if keys:
+            pipe.mget([result_key(k) for k in keys])
+        replies = pipe.execute()
+        stored = [v.decode() if v is not None else None for v in replies[1]] if keys else []
+        return bool(replies[0]), stored
+
 
 
 class MemoryTurnStore:
@@ -124,7 +174,10 @@ class MemoryTurnStore:
     long-lived embedded agent does not grow without bound.
     """
 
-    def __init__(self, max_finished: int = 10_000) -> None:
+    def __init__(self, max_finished: int = 10_000,
+                 results: Callable[[list[str]], list[str | None]] | None = None) -> None:
+        """`results`: the stored results of idempotency keys (the embedded runtime's store), for `look`."""
+        self._stored_results = results
         self._lock = threading.Lock()
         self._max_finished = max_finished
         self._records: dict[tuple[str, str], TurnRecord] = {}
@@ -137,6 +190,17 @@ class MemoryTurnStore:
         with self._lock:
             self._records[(record.session_id, record.turn_id)] = record
             self._active[record.session_id] = record.turn_id
+
+    def begin(self, record: TurnRecord) -> tuple[TurnResult | TurnRecord, list[LateCall]]:
+        with self._lock:
+            key = (record.session_id, record.turn_id)
+            late = list(self._late.get(record.session_id, {}).values())
+            found = self._results.get(key) or self._records.get(key)
+            if found is not None:
+                return found, late
+            self._records[key] = record
+            self._active[record.session_id] = record.turn_id
+            return record, late
 
     def active(self, session_id: str) -> TurnRecord | None:
         with self._lock:
@@ -183,3 +247,9 @@ class MemoryTurnStore:
     def cancelled(self, session_id: str, turn_id: str) -> bool:
         with self._lock:
             return (session_id, turn_id) in self._cancelled
+
+    def look(self, session_id: str, turn_id: str, keys: Sequence[str]) -> tuple[bool, list[str | None]]:
+        stored: list[str | None] = [None] * len(keys)
+        if self._stored_results is not None and keys:
+            stored = self._stored_results(list(keys))
+        return self.cancelled(session_id, turn_id), stored

@@ -32,10 +32,10 @@ _CANCEL_POLL = 0.25
 # How often a waiting turn reads its cancel flag in Redis and looks for its calls' stored results.
 # Cancels made here, and cancels that other processes announce on the cancel channel, are seen at
 # the next wait slice without it; the read covers an announcement lost to a reconnect. The stored
-# results cover a chord callback that is never sent: a worker killed after taking Celery's
-# callback-dispatch claim (a Redis key that outlives the broker's redelivery of its task) leaves
-# the chord complete with nobody to send the callback. One round trip per waiting turn per second
-# adds up at a thousand waiting turns.
+# results, read in the same round trip, cover a chord callback that is never sent: a worker killed
+# after taking Celery's callback-dispatch claim (a Redis key that outlives the broker's redelivery
+# of its task) leaves the chord complete with nobody to send the callback. One round trip per
+# waiting turn per second adds up at a thousand waiting turns.
 _REMOTE_CANCEL_POLL = 5.0
 # A blocking wait is one slice (it holds a thread); an asyncio wait costs nothing while it lasts.
 BLOCKING_SLICE = _CANCEL_POLL
@@ -84,18 +84,21 @@ class TurnWait:
         record: TurnRecord,
         *,
         callback_slice: float,
-        cancelled: Callable[[bool], bool],
+        cancelled: Callable[[], bool],
         all_stored: Callable[[], bool],
+        look: Callable[[], tuple[bool, bool]],
         has_callback: bool = True,
     ) -> None:
-        """`cancelled(ask_redis)`: whether the turn is known cancelled (reading its flag when asked);
+        """`cancelled()`: whether this process knows the turn cancelled (no Redis);
         `all_stored()`: whether every dispatched call has a stored result (False if unreachable);
-        `has_callback=False`: no chord callback exists (calls sent one by one), the turn waits on
-        the idempotency store alone, looking every `STORE_POLL` seconds."""
+        `look()`: the turn's cancel flag in Redis and `all_stored()`, in one round trip (both False
+        if unreachable); `has_callback=False`: no chord callback exists (calls sent one by one), the
+        turn waits on the idempotency store alone, looking every `STORE_POLL` seconds."""
         self.record = record
         self._callback_slice = callback_slice
         self._cancelled = cancelled
         self._all_stored = all_stored
+        self._look = look
         self._remote_check = _RemoteCancelClock()
         self._callback_failed = False
         self._store_poll = _CANCEL_POLL if has_callback else STORE_POLL
@@ -124,10 +127,12 @@ class TurnWait:
             log.warning("the callback of turn %s ended %s; waiting for its calls' stored results",
                         self.record.turn_id, meta.get("status"))
             self._callback_failed = True
-        ask_redis = self._remote_check.due()
-        if ask_redis and not self._callback_failed and self._all_stored():
-            return TurnEnds(None)
-        if self._cancelled(ask_redis):
+        flagged = False
+        if self._remote_check.due():
+            flagged, all_stored = self._look()
+            if all_stored and not self._callback_failed:
+                return TurnEnds(None)
+        if flagged or self._cancelled():
             return TurnEnds(None, "the turn was cancelled")
         record = self.record
         if record.deadline <= time.time():

@@ -19,6 +19,10 @@ log = logging.getLogger("toolchord.orchestrator")
 
 
 class ResultWaiter(Protocol):
+    async def expect(self, task_id: str) -> None:
+        """Start listening for the task's result before the task is sent (the first `wait` soon follows)."""
+        ...
+
     async def wait(self, task_id: str, timeout: float) -> dict[str, Any] | None:
         """The task's result meta once it is ready (`status`, `result`), or None on timeout."""
         ...
@@ -31,6 +35,9 @@ class PollingResultWaiter:
 
     def __init__(self, app: Celery) -> None:
         self.app = app
+
+    async def expect(self, task_id: str) -> None:
+        return None
 
     async def wait(self, task_id: str, timeout: float) -> dict[str, Any] | None:
         loop = asyncio.get_running_loop()
@@ -60,6 +67,11 @@ class RedisResultWaiter:
       UNSUBSCRIBE, a SUBSCRIBE and a GET per turn per second: a channel now stays subscribed for
       `linger` seconds after its last waiter leaves, and a result that arrives in that gap is kept
       for the next wait, so a re-wait costs no Redis command at all.
+
+    A channel subscribed through `expect` before its task was sent needs no GET at its first wait:
+    nothing can have been published on it before the subscription. (A SUBSCRIBE is written before
+    the chord's publish starts; should Redis still see it after the callback's result, the wait
+    finds the result with its look at the end of the slice.)
     """
 
     def __init__(
@@ -134,6 +146,24 @@ class RedisResultWaiter:
                     self._arrived.pop(channel, None)
                 if expired and self._pubsub is not None:
                     await self._pubsub.unsubscribe(*expired)
+
+    async def expect(self, task_id: str) -> None:
+        channel = self._prefix + task_id
+        try:
+            async with self._lock:
+                if channel in self._waiters or channel in self._idle:
+                    return
+                # Idle until its first wait: the reaper unsubscribes it if that wait never comes.
+                self._idle[channel] = asyncio.get_running_loop().time()
+                pubsub = await self._ensure_tasks()
+                try:
+                    await pubsub.subscribe(channel)
+                except BaseException:
+                    del self._idle[channel]
+                    raise
+        except (aioredis.RedisError, OSError) as exc:
+            # The first wait subscribes (and looks at the result key) itself.
+            log.warning("listening for %s: %s", task_id, exc)
 
     async def _get(self, channel: str) -> dict[str, Any] | None:
         raw = await self._redis.get(channel)

@@ -40,8 +40,9 @@ def _celery_config(settings: Settings) -> dict[str, Any]:
         "result_expires": settings.result_ttl,
         "result_extended": False,
         "worker_prefetch_multiplier": 1,
-        # Workers send task events unless TOOLCHORD_TASK_EVENTS=off (Flower shows every call from
-        # "received" on; each event is a PUBLISH in the worker's main process, three per task).
+        # Workers send task events only with TOOLCHORD_TASK_EVENTS=on, or once a Flower asks them
+        # to (Flower broadcasts `enable_events` while it runs): each event is a PUBLISH in the
+        # worker's main process, up to three per task, and the main process also fetches and acks.
         # Publishers don't send "sent" events and no STARTED state is stored: each costs a round
         # trip per call, and toolchord knows a call started from its idempotency claim.
         "worker_send_task_events": settings.task_events,

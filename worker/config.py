@@ -97,9 +97,10 @@ class Settings(BaseModel):
     )
 
     task_events: bool = Field(
-        default=True,
-        description="Workers send Celery task events (Flower's task views); off saves three PUBLISH round trips "
-        "per task in the worker's main process.",
+        default=False,
+        description="Workers send Celery task events from the start (Flower's task views). Off by default: they "
+        "cost PUBLISH round trips per task in the worker's main process, and a running Flower switches them on "
+        "by itself (its `enable_events` broadcast, every few seconds).",
     )
 
     @property

@@ -166,15 +166,20 @@ end
 return 0
 """
 
+# Returns nil when this attempt's result is the one stored (the caller has it: no copy comes back),
+# else the result stored before it.
 _COMPLETE = """
+local earlier = false
 if redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ARGV[3]) then
   if ARGV[4] == '1' then redis.call('SET', KEYS[4], '1', 'EX', ARGV[3]) end
 elseif ARGV[4] == '0' and redis.call('EXISTS', KEYS[4]) == 1 and redis.call('GET', KEYS[3]) == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
   redis.call('DEL', KEYS[4])
+else
+  earlier = redis.call('GET', KEYS[1])
 end
 if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
-return redis.call('GET', KEYS[1])
+return earlier
 """
 
 _RELEASE = """
@@ -198,6 +203,11 @@ class _Keys(NamedTuple):
 def _keys(key: str) -> _Keys:
     base = PREFIX + key
     return _Keys(f"{base}:result", f"{base}:claim", f"{base}:started", f"{base}:cancel", f"{base}:provisional")
+
+
+def result_key(key: str) -> str:
+    """The Redis key of the result stored under idempotency key `key`."""
+    return _keys(key).result
 
 
 class RedisIdempotencyStore:
@@ -286,11 +296,12 @@ class RedisIdempotencyStore:
         args = [token, result_json, ttl, "1" if provisional else "0"]
         writes = self.pending.take() if self.pending is not None else []
         if replicas <= 0 and not writes:
-            return self._complete(keys=keys, args=args).decode()
-        stored, acknowledged = self._pipelined(self._complete, keys, args, replicas, writes)
-        if acknowledged < replicas:
-            raise self._lag("the stored result", acknowledged, replicas)
-        return stored.decode()
+            earlier = self._complete(keys=keys, args=args)
+        else:
+            earlier, acknowledged = self._pipelined(self._complete, keys, args, replicas, writes)
+            if acknowledged < replicas:
+                raise self._lag("the stored result", acknowledged, replicas)
+        return result_json if earlier is None else earlier.decode()
 
     @store_operation
     def release(self, key: str, token: str, *, forget_start: bool) -> None:
@@ -307,7 +318,7 @@ class RedisIdempotencyStore:
         """Stored results for many keys in one round trip."""
         if not keys:
             return []
-        return [v.decode() if v is not None else None for v in self.redis.mget([_keys(k).result for k in keys])]
+        return [v.decode() if v is not None else None for v in self.redis.mget([result_key(k) for k in keys])]
 
     @store_operation
     def started(self, key: str) -> bool:

@@ -136,13 +136,23 @@ class _TimedOrchestrator(Orchestrator):
         super().__init__(*args, **kwargs)
         self.start_seconds: list[float] = []
         self.finish_seconds: list[float] = []
+        # A turn's start is two synchronous steps (record, then send) with a wait between them.
+        self._opening: dict[tuple[str, str], float] = {}
 
-    def _start(self, *args: Any, **kwargs: Any) -> TurnResult | tuple[TurnRecord, str]:
+    def _open(self, *args: Any, **kwargs: Any) -> TurnResult | TurnRecord:
+        began = time.perf_counter()
+        opened = super()._open(*args, **kwargs)
+        if isinstance(opened, TurnRecord):
+            self._opening[(opened.session_id, opened.turn_id)] = time.perf_counter() - began
+        return opened
+
+    def _send(self, record: TurnRecord, body_id: str) -> TurnResult | str:
         began = time.perf_counter()
         try:
-            return super()._start(*args, **kwargs)
+            return super()._send(record, body_id)
         finally:
-            self.start_seconds.append(time.perf_counter() - began)
+            opening = self._opening.pop((record.session_id, record.turn_id), 0.0)
+            self.start_seconds.append(opening + time.perf_counter() - began)
 
     def _finish(self, record: TurnRecord, collected: list[dict[str, Any]] | None, reason: str) -> TurnResult:
         began = time.perf_counter()

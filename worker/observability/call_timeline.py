@@ -53,12 +53,17 @@ def timing_key(session_id: str) -> str:
     return PREFIX + session_id
 
 
-def add_timing(pipe: Any, timing: CallTiming, ttl: int) -> None:
-    """Add the record's write to a redis-py pipeline; the hash expires with the session's results."""
+def add_timing(pipe: Any, timing: CallTiming, ttl: int | None) -> None:
+    """Add the record's write to a redis-py pipeline; the hash expires with the session's results.
+
+    `ttl` None: no EXPIRE, for a record that follows one whose TTL already covers it (a delivery's
+    "done" record after its "running" one, which is given the time the call may still run on top).
+    """
     key = timing_key(timing.session_id)
     # Call ids are unique within a turn only.
     pipe.hset(key, f"{timing.turn_id}:{timing.call_id}", timing.model_dump_json())
-    pipe.expire(key, ttl)
+    if ttl is not None:
+        pipe.expire(key, ttl)
 
 
 def save_timing(client: Any, timing: CallTiming, ttl: int) -> None:

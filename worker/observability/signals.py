@@ -156,10 +156,12 @@ def _on_prerun(task_id: str = "", task: Any = None, kwargs: dict[str, Any] | Non
         m.queue_seconds.labels(queue or "").observe(max(now - timing.published_at, 0.0))
     if _timeline(runtime) is not None:
         # The "running" record goes with the call's claim, the "done" one with its stored result:
-        # the same round trips.
+        # the same round trips. The running record's TTL also covers the time the call may still
+        # run (up to its deadline), so the done record needs no EXPIRE of its own.
         ttl, running = runtime.settings.result_ttl, timing.model_copy()
-        runtime.pending_writes.add(lambda pipe: add_timing(pipe, running, ttl))
-        runtime.pending_writes.on_result(lambda result: _done_write(delivery, result, ttl))
+        running_ttl = ttl + max(int(payload.deadline - now) + 1, 0)
+        runtime.pending_writes.add(lambda pipe: add_timing(pipe, running, running_ttl))
+        runtime.pending_writes.on_result(lambda result: _done_write(delivery, result))
     else:
         _save(runtime, timing)
 
@@ -171,14 +173,17 @@ def _finish(timing: CallTiming, result: dict[str, Any]) -> None:
     timing.attempts = int(result.get("attempts") or timing.attempts)
 
 
-def _done_write(delivery: _Delivery, result: ToolResult, ttl: int) -> Write:
-    """The "done" record of a call whose result is about to be stored (the delivery remembers it)."""
+def _done_write(delivery: _Delivery, result: ToolResult) -> Write:
+    """The "done" record of a call whose result is about to be stored (the delivery remembers it).
+
+    It goes in the pipeline of the stored result, never before the delivery's "running" record
+    (queued ahead of it, or sent already), whose TTL covers it."""
     done = delivery.timing.model_copy()
     done.finished_at = time.time()
     _finish(done, result.model_dump(mode="json", include={"status", "error", "attempts"}))
 
     def write(pipe: Any) -> None:
-        add_timing(pipe, done, ttl)
+        add_timing(pipe, done, None)
 
     delivery.done_write = write
     return write
