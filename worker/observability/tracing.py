@@ -37,17 +37,29 @@ def enabled() -> bool:
     return trace is not None
 
 
+def _tracer() -> Any:
+    """toolchord's tracer, or None while no SDK provider is installed: the API's default provider
+    only hands out no-op spans, which still cost tens of microseconds each on every call's path."""
+    if trace is None:
+        return None
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
+        return None
+    return provider.get_tracer(TRACER_NAME)
+
+
 def _clean(attributes: Attributes | None) -> dict[str, str | int | float | bool]:
     return {k: v for k, v in (attributes or {}).items() if v is not None}
 
 
 @contextlib.contextmanager
 def span(name: str, attributes: Attributes | None = None) -> Iterator[Any]:
-    """A span around a block, child of the current one; yields the span (None without OpenTelemetry)."""
-    if trace is None:
+    """A span around a block, child of the current one; yields the span (None without a tracer provider)."""
+    tracer = _tracer()
+    if tracer is None:
         yield None
         return
-    with trace.get_tracer(TRACER_NAME).start_as_current_span(name, attributes=_clean(attributes)) as current:
+    with tracer.start_as_current_span(name, attributes=_clean(attributes)) as current:
         yield current
 
 
@@ -89,13 +101,21 @@ class OpenSpan:
         if trace is None:
             return
         parent = propagate.extract(_carrier(request))
-        self.span = trace.get_tracer(TRACER_NAME).start_span(
+        tracer = _tracer()
+        if tracer is None:
+            # No span here, but the caller's trace context stays current: messages the task
+            # publishes (a retry, the chord's callback) still carry it.
+            self._token = otel_context.attach(parent)
+            return
+        self.span = tracer.start_span(
             name, context=parent, kind=SpanKind.CONSUMER, attributes=_clean(attributes)
         )
         self._token = otel_context.attach(trace.set_span_in_context(self.span))
 
     def end(self, attributes: Attributes, error: bool = False) -> None:
         if self.span is None:
+            if self._token is not None:
+                otel_context.detach(self._token)
             return
         self.span.set_attributes(_clean(attributes))
         if error:
