@@ -56,6 +56,17 @@ class PollingResultWaiter:
         return None
 
 
+class _ConnectCountingPubSub(aioredis.client.PubSub):
+    """redis-py's pub/sub, counting its connections: after the first, each one is a reconnect, which
+    subscribes to the channels again by itself but loses whatever was published in between."""
+
+    connects = 0
+
+    async def on_connect(self, connection: Any) -> None:
+        self.connects += 1
+        await super().on_connect(connection)
+
+
 class RedisResultWaiter:
     """Every waiting turn of this event loop on one pub/sub connection, plus a small command pool.
 
@@ -68,10 +79,15 @@ class RedisResultWaiter:
       `linger` seconds after its last waiter leaves, and a result that arrives in that gap is kept
       for the next wait, so a re-wait costs no Redis command at all.
 
+    - a wait that timed out used to GET the result in case a message was missed: one GET per
+      waiting turn per second. Messages are missed only across a reconnect of the pub/sub
+      connection (redis-py subscribes again by itself), so a channel's result is read again only
+      when the connection was made again since the channel last looked.
+
     A channel subscribed through `expect` before its task was sent needs no GET at its first wait:
-    nothing can have been published on it before the subscription. (A SUBSCRIBE is written before
-    the chord's publish starts; should Redis still see it after the callback's result, the wait
-    finds the result with its look at the end of the slice.)
+    nothing can have been published on it before the subscription. (The SUBSCRIBE is written before
+    the chord's publish starts; should Redis still see it after the callback's result, the turn
+    finds its calls' results in the idempotency store at its next look, within 5 s.)
     """
 
     def __init__(
@@ -82,8 +98,11 @@ class RedisResultWaiter:
         )
         self._prefix = key_prefix
         self._linger = linger
-        self._pubsub: aioredis.client.PubSub | None = None
+        self._pubsub: _ConnectCountingPubSub | None = None
         self._waiters: dict[str, list[asyncio.Future[dict[str, Any]]]] = {}
+        # Per subscribed channel: the pub/sub connection count when it last could not miss a result
+        # (subscribed, or its result key read); another connection since means it may have.
+        self._looked: dict[str, int] = {}
         # Subscribed channels without a waiter right now: when to unsubscribe, and a result that came.
         self._idle: dict[str, float] = {}
         self._arrived: dict[str, dict[str, Any]] = {}
@@ -96,16 +115,16 @@ class RedisResultWaiter:
         """How many tasks are being waited for right now."""
         return len(self._waiters)
 
-    async def _ensure_tasks(self) -> aioredis.client.PubSub:
+    async def _ensure_tasks(self) -> _ConnectCountingPubSub:
         if self._pubsub is None:
-            self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            self._pubsub = _ConnectCountingPubSub(self._redis.connection_pool, ignore_subscribe_messages=True)
         if self._reader is None or self._reader.done():
             self._reader = asyncio.create_task(self._read(self._pubsub), name="toolchord-result-reader")
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.create_task(self._reap(), name="toolchord-result-unsubscriber")
         return self._pubsub
 
-    async def _read(self, pubsub: aioredis.client.PubSub) -> None:
+    async def _read(self, pubsub: _ConnectCountingPubSub) -> None:
         while self._waiters or self._idle:
             if not pubsub.subscribed:
                 await asyncio.sleep(0.01)
@@ -144,6 +163,7 @@ class RedisResultWaiter:
                 for channel in expired:
                     del self._idle[channel]
                     self._arrived.pop(channel, None)
+                    self._looked.pop(channel, None)
                 if expired and self._pubsub is not None:
                     await self._pubsub.unsubscribe(*expired)
 
@@ -161,11 +181,18 @@ class RedisResultWaiter:
                 except BaseException:
                     del self._idle[channel]
                     raise
+                self._looked[channel] = pubsub.connects
         except (aioredis.RedisError, OSError) as exc:
             # The first wait subscribes (and looks at the result key) itself.
             log.warning("listening for %s: %s", task_id, exc)
 
+    def _may_have_missed(self, channel: str) -> bool:
+        """Whether a result published on `channel` may have been lost (a reconnect since it looked)."""
+        return self._pubsub is None or self._looked.get(channel) != self._pubsub.connects
+
     async def _get(self, channel: str) -> dict[str, Any] | None:
+        if self._pubsub is not None:
+            self._looked[channel] = self._pubsub.connects
         raw = await self._redis.get(channel)
         if raw is None:
             return None
@@ -197,16 +224,17 @@ class RedisResultWaiter:
         try:
             if arrived is not None:
                 return arrived
-            if not subscribed:
-                # The result may have been stored before the subscription took effect.
+            if not subscribed or self._may_have_missed(channel):
+                # The result may have been stored before the subscription took effect, or
+                # published while the connection was being made again.
                 ready = await self._get(channel)
                 if ready is not None:
                     return ready
             try:
                 return await asyncio.wait_for(asyncio.shield(future), max(timeout, 0))
             except TimeoutError:
-                # A missed message (connection blip) must not cost the result: look once more.
-                return await self._get(channel)
+                # A message missed across a reconnect must not cost the result: look once more.
+                return await self._get(channel) if self._may_have_missed(channel) else None
         finally:
             waiting = self._waiters.get(channel, [])
             if future in waiting:
@@ -226,6 +254,7 @@ class RedisResultWaiter:
         self._waiters.clear()
         self._idle.clear()
         self._arrived.clear()
+        self._looked.clear()
         if self._pubsub is not None:
             await self._pubsub.aclose()
         await self._redis.aclose()
