@@ -156,3 +156,22 @@ def test_a_streamed_turn_keeps_its_own_tenant_and_priority(embedded: Orchestrato
     assert turn is not None
     record = embedded.turns.record("s-stream-tenant", turn.turn_id)
     assert (record.tenant, record.priority) == ("acme", "batch")
+
+
+def test_a_resubmitted_turn_gets_its_first_result_and_asks_the_permission_hook_once() -> None:
+    """Without a hook a turn is planned before it is looked up (one round trip for both on Redis);
+    with one, which may ask a person, a resubmitted turn is looked up first and never asks again."""
+    asked: list[str] = []
+
+    def hook(call: ToolCall, spec: object) -> bool:
+        asked.append(call.id)
+        return True
+
+    calls = [ToolCall(id=f"c{i}", name="add", arguments_raw=f'{{"a": {i}, "b": 1}}', index=i) for i in range(2)]
+    for permission_hook in (None, hook):
+        orch = Orchestrator(Registry([add]), settings=Settings(), permission_hook=permission_hook)
+        first = orch.run_calls("s-resubmitted", calls, turn_id="t-1")
+        again = orch.run_calls("s-resubmitted", calls, turn_id="t-1")
+        assert [r.content for r in first.results] == ["1", "2"]
+        assert again == first
+    assert asked == ["c0", "c1"]
