@@ -1,11 +1,15 @@
 """Spares confined ahead of their calls: later calls find their layers applied already, with a
-uid, workdir and cgroup of their own, and a spare confined for one profile never runs another's."""
+uid, workdir and cgroup of their own, a spare confined for one profile never runs another's, a
+call's replacement spare is forked after the call, not while it runs, and stopping a zygote holds up
+nothing and logs nothing for spares that were still confining themselves."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -15,8 +19,15 @@ from tests import sandbox_tools as tools
 from toolchord.worker.execution import HandlerOutcome
 from toolchord.worker.sandbox import runner
 from toolchord.worker.sandbox.capabilities import probe
-from toolchord.worker.sandbox.child import TIMINGS_PREFIX
-from toolchord.worker.sandbox.zygote import stop_zygote, zygote_pid
+from toolchord.worker.sandbox.child import SETUP_FAILED_STATUS, TIMINGS_PREFIX
+from toolchord.worker.sandbox.zygote import (
+    REPLY_SECONDS,
+    SPARES,
+    stop_zygote,
+    zygote_client,
+    zygote_pid,
+)
+from toolchord.worker.sandbox.zygote_protocol import ZygoteReply
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -44,25 +55,32 @@ def steps(outcome: HandlerOutcome) -> list[str]:
     return [step for step, _at, _cpu in json.loads(line)]
 
 
-def wait_for_a_confined_spare(ended_call: int) -> None:
-    """Until a spare of the zygote (a child other than the process of the call that ended, which
-    may still be exiting) has taken a per-call uid."""
+def confined_children(*ended_calls: int) -> set[int]:
+    """The zygote's children other than `ended_calls` (processes of calls that ended, which may
+    still be exiting) that have taken a per-call uid."""
     zygote = zygote_pid()
     assert zygote is not None
+    with open(f"/proc/{zygote}/task/{zygote}/children") as children:
+        pids = {int(p) for p in children.read().split()} - set(ended_calls)
+    confined = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as status:
+                uid = next(int(line.split()[1]) for line in status if line.startswith("Uid:"))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if uid != os.geteuid():
+            confined.add(pid)
+    return confined
+
+
+def wait_for_confined_spares(*ended_calls: int, count: int = 1) -> set[int]:
+    """Until `count` spares of the zygote have taken a per-call uid; their pids."""
     deadline = time.monotonic() + 30
-    while True:
-        with open(f"/proc/{zygote}/task/{zygote}/children") as children:
-            pids = children.read().split()
-        for pid in (p for p in pids if int(p) != ended_call):
-            try:
-                with open(f"/proc/{pid}/status") as status:
-                    uid = next(int(line.split()[1]) for line in status if line.startswith("Uid:"))
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if uid != os.geteuid():
-                return
-        assert time.monotonic() < deadline, "no spare was confined ahead"
+    while len(found := confined_children(*ended_calls)) < count:
+        assert time.monotonic() < deadline, f"{len(found)} of {count} spares were confined ahead"
         time.sleep(0.02)
+    return found
 
 
 def test_later_calls_run_on_spares_confined_ahead_with_every_layer() -> None:
@@ -71,7 +89,7 @@ def test_later_calls_run_on_spares_confined_ahead_with_every_layer() -> None:
     assert first.status == "ok", first
     # The spares are confined in the background while a call runs.
     assert first.data is not None
-    wait_for_a_confined_spare(first.data["pid"])
+    wait_for_confined_spares(first.data["pid"])
     outcome = tools.run(tools.where_am_i)
     assert outcome.status == "ok", outcome
     reported = steps(outcome)
@@ -98,8 +116,119 @@ def test_a_spare_confined_for_one_profile_never_runs_a_call_of_another() -> None
         for _ in range(2):
             last = tools.run(tools.where_am_i)
             assert last.status == "ok" and last.data is not None, last
-        wait_for_a_confined_spare(last.data["pid"])
+        wait_for_confined_spares(last.data["pid"])
         refused = tools.run(tools.connect, host="127.0.0.1", port=port)
     assert refused.status == "error", refused
     assert "netns" in refused.sandbox_layers, refused
     assert tools.run(tools.where_am_i).status == "ok"
+
+
+def test_a_call_s_replacement_spare_is_asked_for_when_the_call_is_over() -> None:
+    first = tools.run(tools.where_am_i)
+    assert first.status == "ok" and first.data is not None, first
+    spares = wait_for_confined_spares(first.data["pid"], count=SPARES)
+    connection = zygote_client()._connection
+    assert connection is not None
+
+    def on_offer() -> tuple[set[int], int]:
+        """The pids of the spares on offer, and how many more the zygote was asked for."""
+        with connection._spare_lock:
+            return {spare.pid for spare in connection._spares}, connection._pending
+
+    assert on_offer() == (spares, 0)
+    outcomes: list[HandlerOutcome] = []
+    call = threading.Thread(target=lambda: outcomes.append(tools.run(tools.sleep_forever)))
+    call.start()
+    deadline = time.monotonic() + 30
+    while (now := on_offer())[0] == spares:
+        assert time.monotonic() < deadline, "the call never took a spare"
+        time.sleep(0.001)
+    # The call took one of the spares confined ahead, and nothing was asked of the zygote: forking
+    # and confining a replacement now would compete with the call for the CPU.
+    assert len(now[0]) == SPARES - 1 and now[0] < spares and now[1] == 0, (spares, now)
+    call.join(30)
+    assert outcomes and outcomes[0].status == "timeout", outcomes
+    # Once the call is over, its spare is replaced and confined for the same profile.
+    replaced = wait_for_confined_spares(first.data["pid"], *(spares - now[0]), count=SPARES)
+    assert replaced > now[0], (now[0], replaced)
+
+
+def test_stopping_a_zygote_wakes_the_thread_waiting_for_its_spares() -> None:
+    first = tools.run(tools.where_am_i)
+    assert first.status == "ok" and first.data is not None, first
+    wait_for_confined_spares(first.data["pid"], count=SPARES)
+    connection = zygote_client()._connection
+    assert connection is not None
+    with connection._spare_lock:
+        connection._pending += 1  # a spare asked for and not offered yet
+    thread_id: list[int] = []
+
+    def wait_for_the_offer() -> None:
+        thread_id.append(threading.get_native_id())
+        connection.prepare_spares(b"", lambda: pytest.fail("every spare on offer is confined"))
+
+    waiting = threading.Thread(target=wait_for_the_offer)
+    waiting.start()
+    deadline = time.monotonic() + 30
+    while not thread_id or not _in_select(thread_id[0]):
+        assert time.monotonic() < deadline, "the thread never waited for the offer"
+        time.sleep(0.005)
+    # It used to go on waiting for the rest of REPLY_SECONDS: the one thread that confines
+    # spares then left those of the next zygote (after a restart) unconfined all that time.
+    stop_zygote()
+    waiting.join(REPLY_SECONDS / 2)
+    assert not waiting.is_alive()
+
+
+def _wait_for_state(pid: int, state: str) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] == state:
+                return
+        assert time.monotonic() < deadline, f"process {pid} never reached state {state}"
+        time.sleep(0.005)
+
+
+def _in_select(thread_id: int) -> bool:
+    with open(f"/proc/self/task/{thread_id}/wchan") as wchan:
+        return wchan.read().startswith("poll_schedule_timeout")
+
+
+@pytest.mark.parametrize("let_go", [True, False], ids=["let-go", "kept"])
+def test_a_spare_that_fails_to_confine_itself_reports_only_if_a_call_may_still_come(
+    let_go: bool, capfd: pytest.CaptureFixture[str]
+) -> None:
+    profile, caps = tools.where_am_i.sandbox, probe()
+    if "disk" not in caps.available():
+        pytest.skip("needs the disk layer (the spare fails mounting its workdir)")
+    client = zygote_client()
+    client.ensure_started()
+    connection = client._connection
+    assert connection is not None
+    spare = connection.take_spare(0, b"")  # not confined yet: waiting for its layers
+    held = runner._Held.make(profile, caps)
+    try:
+        # Its workdir is gone, as when a stopping zygote's spares are let go and their workdirs
+        # removed while they confine themselves.
+        layers = held.spare_layers(profile).model_copy(update={"workdir": held.workdir.path + "-gone"})
+        # Stopped meanwhile, so that the layers and the end of file (let go) are both there
+        # when it reads them.
+        os.kill(spare.pid, signal.SIGSTOP)
+        _wait_for_state(spare.pid, "T")
+        spare.call.send(layers.model_dump_json().encode())
+        if let_go:
+            spare.call.close()
+        os.kill(spare.pid, signal.SIGCONT)
+        spare.status.settimeout(30)
+        ended = ZygoteReply.model_validate_json(spare.status.recv(4096))
+    finally:
+        held.release_later()
+        spare.close_sockets()
+    said = capfd.readouterr().err
+    if let_go:
+        assert os.waitstatus_to_exitcode(ended.status) == 0
+        assert "failed before its result pipe was ready" not in said, said
+    else:
+        assert os.waitstatus_to_exitcode(ended.status) == SETUP_FAILED_STATUS
+        assert "failed before its result pipe was ready: FileNotFoundError" in said, said

@@ -608,8 +608,8 @@ def _start_in_zygote(
     must then fail, never fall back to a fork of the worker.
 
     A spare confined ahead for this profile runs the call with its own workdir and cgroup; once
-    the call is handed over, the other spares on offer are confined for the same profile in the
-    background, while this call runs (the next call most likely has the same profile)."""
+    the call is over, the spare it used is replaced and the spares on offer are confined for the
+    same profile in the background (the next call most likely has the same profile)."""
     if not zygote_enabled():
         return f"the sandbox zygote is switched off ({ZYGOTE_ENV}=0)"
     locator = locate(spec)
@@ -642,15 +642,18 @@ def _start_in_zygote(
         return CallPayload(**{**dict(layers), **dict(arguments)}).model_dump_json().encode()
 
     profile_key = _spare_key(profile, resources.caps)
-    client = zygote_client()
+    caps = resources.caps
     try:
-        call = client.submit(locator, payload, child_fds, profile_key)
+        return zygote_client().submit(
+            locator,
+            payload,
+            child_fds,
+            profile_key,
+            lambda: _preparation(profile, caps, profile_key),
+        )
     except ZygoteToolError as exc:
         reason = _zygote_refused[key] = f"the zygote cannot load it: {exc}"
         return reason
-    caps = resources.caps
-    client.prepare_spares_later(profile_key, lambda: _preparation(profile, caps, profile_key))
-    return call
 
 
 def _fork_worker(

@@ -144,6 +144,11 @@ class _Connection:
         # of the spare lock before the sockets are closed under it.
         if self.process.poll() is None:
             self.process.kill()
+        try:
+            # Wakes a thread waiting outside the lock for an offer (closing the socket would not).
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         with self._spare_lock:
             self.sock.close()
             while self._spares:
@@ -216,9 +221,11 @@ class _Connection:
                     if spare.generation >= generation and (
                         spare.prepared is None or spare.prepared.key == key
                     ):
-                        # Ask for the replacement now: it has until the call after next to
-                        # be forked and warmed up.
-                        self._replenish()
+                        if not self._spares:
+                            # None left for the next call: ask now. Otherwise the call's end
+                            # asks (`refill`), so that forking and confining the replacement
+                            # do not compete with this call for the CPU.
+                            self._replenish()
                         return spare
                     # Forked before the tool's module was imported, or confined for a profile
                     # other than this call's.
@@ -230,6 +237,16 @@ class _Connection:
                         f"no spare child was offered within {REPLY_SECONDS:g} s"
                     )
                 self._receive_offer(remaining)
+
+    def refill(self, key: bytes, prepare: Callable[[], Preparation]) -> None:
+        """After a call: ask for the spares missing, then confine them (and any other spare on
+        offer) for calls of `key`."""
+        with self._spare_lock:
+            try:
+                self._replenish()
+            except _ZygoteLost:
+                return  # the next call finds out and starts a new zygote
+        self.prepare_spares(key, prepare)
 
     def prepare_spares(self, key: bytes, prepare: Callable[[], Preparation]) -> None:
         """Send layers made by `prepare` to every spare that has none yet, those asked for and
@@ -320,6 +337,8 @@ class ZygoteCall:
         self.end_detail: str | None = None
         self.prepared: Preparation | None = None
         """What the spare was prepared with (its workdir and cgroup are the call's)."""
+        self.refill: tuple[bytes, Callable[[], Preparation]] | None = None
+        """The profile key and preparation of the spares to confine once the call is over."""
         sock.setblocking(False)
 
     @property
@@ -374,8 +393,12 @@ class ZygoteCall:
             pass
 
     def release(self) -> None:
-        """The call is over: the zygote reaps the child on its own."""
+        """The call is over: the zygote reaps the child on its own, and the spares it used up
+        are asked for and confined in the background, for calls of the same profile."""
         self._sock.close()
+        refill, self.refill = self.refill, None
+        if refill is not None:
+            self._client.refill_later(self._connection, *refill)
 
 
 class ZygoteClient:
@@ -427,15 +450,18 @@ class ZygoteClient:
         payload: Callable[[Preparation | None], bytes],
         child_fds: tuple[int, int, int],
         profile_key: bytes = b"",
+        prepare: Callable[[], Preparation] | None = None,
     ) -> ZygoteCall:
         """Hand one call to a spare child of the zygote and return the running call.
 
         `payload` gives the call's payload for the spare it is handed to, from what that spare
         was prepared with (None: nothing, the call brings its own workdir and cgroup); a spare
         prepared for another `profile_key` is let go. The running call's `prepared` is then the
-        call's to release. Raises ZygoteUnavailable when the zygote cannot run now or was lost
-        before the call reached a child (the call did not run; the next call starts a new
-        zygote), and ZygoteToolError when the zygote cannot load the tool.
+        call's to release. With `prepare`, the spares are confined for `profile_key` when the
+        call is released (the next call most likely has the same profile). Raises
+        ZygoteUnavailable when the zygote cannot run now or was lost before the call reached a
+        child (the call did not run; the next call starts a new zygote), and ZygoteToolError
+        when the zygote cannot load the tool.
         """
         connection = self._running()
         key = locator.model_dump_json().encode()
@@ -490,6 +516,8 @@ class ZygoteClient:
                 spare.call.close()
                 call = ZygoteCall(self, connection, spare.status, spare.pid)
                 call.prepared, spare.prepared = spare.prepared, None
+                if prepare is not None:
+                    call.refill = (profile_key, prepare)
                 return call
             raise _ZygoteLost(f"{SPARES + 1} spare children in a row refused a call")
         except _ZygoteLost as exc:
@@ -498,18 +526,19 @@ class ZygoteClient:
                 f"the sandbox zygote was lost before the call reached a child: {exc}"
             ) from exc
 
-    def prepare_spares_later(self, profile_key: bytes, prepare: Callable[[], Preparation]) -> None:
-        """Have the spares on offer confined ahead of their calls for calls of `profile_key`,
-        from a background thread, while the call that asks runs."""
-        connection = self._connection
-        if connection is None:
-            return
+    def refill_later(
+        self, connection: _Connection, profile_key: bytes, prepare: Callable[[], Preparation]
+    ) -> None:
+        """From a background thread: have the spares a call used up replaced, and the spares on
+        offer confined ahead of their calls for calls of `profile_key`."""
+        if self._connection is not connection:
+            return  # lost or stopped meanwhile: the next call starts a new zygote
         if not self._stops_at_exit:
             # Registered after the workdir and cgroup modules' own exit hooks, so it runs before
             # them: the spares' workdirs and cgroups are released, then removed.
             atexit.register(self.stop)
             self._stops_at_exit = True
-        self._preparer.submit(connection.prepare_spares, profile_key, prepare).add_done_callback(
+        self._preparer.submit(connection.refill, profile_key, prepare).add_done_callback(
             _log_preparation_failure
         )
 

@@ -526,6 +526,7 @@ def _spare_main(
     """In a spare child: warm up, wait for the call from the worker, then run it like a direct
     child. Never returns. In a call namespace, its init (`zygote_pid`, 1 as well) is the parent
     and leads the process group."""
+    called = False
     try:
         if not in_call_namespace:
             # A group of its own from the start, so that group kills reach it in any state.
@@ -553,6 +554,7 @@ def _spare_main(
                 )
             )
             message, fds = _receive_call(sock)
+        called = True
         received = (time.monotonic(), time.process_time())
         if len(fds) != CALL_FD_COUNT:
             raise OSError(f"the call came with {len(fds)} descriptors, not {CALL_FD_COUNT}")
@@ -579,8 +581,20 @@ def _spare_main(
             start_timings("call received", received)
             mark("payload read")
     except BaseException:  # noqa: BLE001 - nothing may unwind into the zygote's loop
+        if not called and _let_go(sock):
+            # The worker let this spare go while it confined itself (a stopping zygote releases
+            # the spares' workdirs and cgroups): no call was coming, nothing to report.
+            os._exit(0)
         exit_setup_failed()
     child_main(plan, confinement)
+
+
+def _let_go(sock: socket.socket) -> bool:
+    """Whether the worker closed this spare's call socket with no call left in it."""
+    try:
+        return select.select([sock], [], [], 0)[0] != [] and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return False
 
 
 def _receive_call(sock: socket.socket) -> tuple[bytes, array.array[int]]:
