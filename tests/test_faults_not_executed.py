@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
+from celery import Celery
 
 from tests.cluster_helpers import (
     TOOLS,
@@ -83,6 +84,14 @@ def test_chained_call_reported_not_executed_never_runs_when_the_paused_chain_res
     assert effects(clean_redis, "k-n1") == 0, "a call reported NOT_EXECUTED ran afterwards"
 
 
+def _nothing_active(app: Celery) -> bool:
+    """Whether the workers answered a remote-control `active` query and run no task."""
+    # A connection of its own: Redis may have been restarted since the app's pooled ones were made.
+    with app.connection_for_write() as connection:
+        answers = app.control.inspect(timeout=1.0, connection=connection).active() or {}
+    return bool(answers) and not any(answers.values())
+
+
 def _pool_children(worker: WorkerProcess) -> list[int]:
     assert worker.proc is not None
     pid = worker.proc.pid
@@ -133,6 +142,9 @@ def test_redis_down_when_a_worker_claims_the_call_still_runs_once(
     # would be gone, and that is not what this test is about (docs/operations.md, "Redis: persistence, memory, failover").
     ready = send_call(app, "echo", {"text": "up"}, "k-ready", time.time() + 60)
     wait_for(lambda: _succeeded([worker], ready.id) == 1, 60, "a first call to finish")
+    # The pool process logs "succeeded" before it reports the job done to the main process, which
+    # only then counts it free: paused in between, it would never be handed the next call.
+    wait_for(lambda: _nothing_active(app), 60, "the main process to see the first call done")
     key = f"k-claim-{outage:g}"
     os.kill(pool_child, signal.SIGSTOP)
     try:
