@@ -1,5 +1,6 @@
 """Smoke test of `toolchord bench sandbox`: a short run prints each path's time, the CPU a call
-costs, the profile of a call step by step and the targets."""
+costs, the profile of a call step by step (calls back to back, or `--pause-ms` apart) and the
+targets."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 def test_short_run_reports_wall_time_and_cpu_per_call() -> None:
     completed = subprocess.run(
         # The installed entry point, as a user runs it (argument passing included).
-        [str(Path(sys.executable).with_name("toolchord")), "bench", "sandbox", "--calls", "5"],
+        [str(Path(sys.executable).with_name("toolchord")), "bench", "sandbox", "--calls", "5",
+         "--pause-ms", "2"],
         check=False, cwd=ROOT, capture_output=True, text=True, timeout=45,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -31,7 +33,7 @@ def test_short_run_reports_wall_time_and_cpu_per_call() -> None:
     # A forked, confined child per call cannot be free: a zero would mean the counters were not read.
     assert float(cpu.group(1)) > 0
     # The profile step by step, from the child's own timestamps, and the targets with a verdict.
-    assert re.search(r"root worker, zygote call: 5 calls, \d+ on a spare confined ahead", out), out
+    assert re.search(r"root worker, zygote call, 2 ms apart: 5 calls, \d+ on a spare confined ahead", out), out
     assert re.search(r"child: payload read\s+\d+\.\d+\s+\d+\.\d+", out), out
     assert re.search(r"target: zygote call overhead <= 1 ms: \d+\.\d+ ms (MET|MISSED)", out), out
     assert re.search(r"target: CPU per sandboxed call <= 3 ms: \d+\.\d+ ms (MET|MISSED)", out), out
@@ -52,3 +54,4 @@ def test_the_profile_from_an_unprivileged_worker_is_printed() -> None:
     assert found is not None, out
     assert re.search(r"child: (call received|fork)\s+\d+\.\d+\s+\d+\.\d+", out), out
     assert re.search(r"child: handler\s+\d+\.\d+\s+\d+\.\d+", out), out
+    assert re.search(r"root worker, zygote call, back to back: 5 calls", out), out

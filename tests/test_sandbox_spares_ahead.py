@@ -1,5 +1,6 @@
 """Spares confined ahead of their calls: later calls find their layers applied already, with a
-uid, workdir and cgroup of their own, a spare confined for one profile never runs another's, a
+uid, workdir and cgroup of their own, each spare rehearses before it applies its layers, a spare
+confined for one profile never runs another's, a
 call's replacement spare is forked after the call, not while it runs, and stopping a zygote holds up
 nothing and logs nothing for spares that were still confining themselves."""
 
@@ -93,7 +94,8 @@ def test_later_calls_run_on_spares_confined_ahead_with_every_layer() -> None:
     outcome = tools.run(tools.where_am_i)
     assert outcome.status == "ok", outcome
     reported = steps(outcome)
-    assert reported[0] == "layers received", reported
+    # The spare's own steps first: its layers' arrival and its rehearsal, in either order.
+    assert set(reported[:2]) == {"layers received", "rehearsal"}, reported
     arrival = reported.index("call received")
     # Every layer before the call arrived; after it, only what is the call's own.
     assert {"uid", "landlock", "seccomp"} <= set(reported[:arrival]), reported
@@ -103,6 +105,34 @@ def test_later_calls_run_on_spares_confined_ahead_with_every_layer() -> None:
     assert first.data is not None and outcome.data is not None
     for key in ("uid", "workdir", "pid"):
         assert first.data[key] != outcome.data[key], (first.data, outcome.data)
+
+
+def test_a_spare_rehearses_before_its_layers_even_when_they_reach_it_first() -> None:
+    # A call's end confines its replacement as soon as the zygote offers it, so the layers
+    # mostly reach a new spare before or during its rehearsal. It used to skip the rest of the
+    # rehearsal then, leaving its first pass over the memory it shares with the zygote to the
+    # confinement and to the call.
+    runner.report_setup_timings(True)
+    first = tools.run(tools.where_am_i)
+    assert first.status == "ok" and first.data is not None, first
+    ended = [first.data["pid"]]
+    layers_first = 0
+    for calls in range(1, 41):
+        wait_for_confined_spares(*ended, count=SPARES)
+        outcome = tools.run(tools.where_am_i)
+        assert outcome.status == "ok" and outcome.data is not None, outcome
+        ended.append(outcome.data["pid"])
+        reported = steps(outcome)
+        first_layer = min(
+            reported.index(step) for step in ("cgroup join", "signals and streams") if step in reported
+        )
+        assert "rehearsal" in reported[:first_layer], reported
+        layers_first += reported.index("layers received") < reported.index("rehearsal")
+        if calls >= 2 * SPARES and layers_first >= 2:
+            break
+    # The case this is about happened (every replacement's layers are sent within a millisecond
+    # of its offer, a rehearsal takes a few).
+    assert layers_first >= 2, f"{layers_first} of {calls} spares had their layers before rehearsing"
 
 
 def test_a_spare_confined_for_one_profile_never_runs_a_call_of_another() -> None:

@@ -5,8 +5,9 @@ the active layers, the median time of a trivial handler called in-process, throu
 through a direct fork of this process, and the median overhead of each sandboxed path. The two
 sandboxed paths are sampled alternately, so load from other processes affects both alike. Then
 the profile of a zygote call step by step (`sandbox_steps`): wall time on the call's critical path
-and CPU, per step and per process; with `--unprivileged UID` the same profile once more from a
-worker process running as that uid (forked from this one, as tests/unprivileged.py does). Last,
+and CPU, per step and per process, of calls back to back (or `--pause-ms` apart); with
+`--unprivileged UID` the same profile once more from a worker process running as that uid (forked
+from this one, as tests/unprivileged.py does). Last,
 the CPU time one zygote call costs summed over every process, and each target with MET/MISSED.
 """
 
@@ -47,7 +48,7 @@ def _verdict(met: bool) -> str:
     return "MET" if met else "MISSED"
 
 
-def _unprivileged_profile(uid: int, calls: int) -> str:
+def _unprivileged_profile(uid: int, calls: int, pause: float) -> str:
     """The step profile from a fork of this process running as `uid`, as text."""
     from toolchord.worker.sandbox import capabilities, workdir
 
@@ -69,7 +70,7 @@ def _unprivileged_profile(uid: int, calls: int) -> str:
                 run_isolated(spec, args, context)
             text = format_profile(
                 f"unprivileged worker (uid {uid}), {path} call",
-                profile_steps(spec, args, context, calls, zygote_pid()),
+                profile_steps(spec, args, context, calls, zygote_pid(), pause),
             )
         except BaseException as exc:  # noqa: BLE001 - reported in the output
             text = f"unprivileged worker (uid {uid}): failed: {type(exc).__name__}: {exc}"
@@ -95,14 +96,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="toolchord bench sandbox", description=__doc__)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument(
+        "--pause-ms",
+        type=float,
+        default=0.0,
+        help="profile calls this far apart (a worker at rest: spares ready, CPUs idle when a "
+        "call arrives); default 0, back to back",
+    )
+    parser.add_argument(
         "--unprivileged",
         type=int,
         metavar="UID",
         help="also profile a worker process running as this uid (root only)",
     )
     options = parser.parse_args(argv)
+    pause = options.pause_ms / 1000
     if options.unprivileged is not None:
-        print(_unprivileged_profile(options.unprivileged, options.calls))
+        print(_unprivileged_profile(options.unprivileged, options.calls, pause))
     spec, args, context = _call()
     print(describe_layers())
     start_zygote([spec.handler.__module__])
@@ -125,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             set_zygote_enabled(enabled)
             samples[name].append(_timed_ms(lambda: run_isolated(spec, args, context)))
     set_zygote_enabled(True)
-    profile = profile_steps(spec, args, context, options.calls, zygote_pid())
+    profile = profile_steps(spec, args, context, options.calls, zygote_pid(), pause)
     set_zygote_enabled(None)
     print(f"layers applied per call: {', '.join(outcome.sandbox_layers)}")
     print(
@@ -138,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"run_isolated, {name + ':':12s} median {median:8.3f} ms, overhead {overheads[name]:8.3f} ms"
         )
-    print(format_profile("root worker, zygote call", profile))
+    apart = f", {options.pause_ms:g} ms apart" if pause else ", back to back"
+    print(format_profile(f"root worker, zygote call{apart}", profile))
     cpu = profile.process_cpu_ms
     cpu_ms = sum(value for name, value in cpu.items() if not name.startswith("whole machine"))
     print(f"CPU per zygote call, all processes: {cpu_ms:8.3f} ms over {options.calls} calls "

@@ -122,9 +122,15 @@ def busy_seconds() -> float:
 
 
 def profile_steps(
-    spec: ToolSpec, args: Any, context: ToolContext, calls: int, zygote: int | None
+    spec: ToolSpec,
+    args: Any,
+    context: ToolContext,
+    calls: int,
+    zygote: int | None,
+    pause: float = 0.0,
 ) -> StepProfile:
-    """Run `calls` sandboxed calls one after another and profile each step."""
+    """Run `calls` sandboxed calls one after another, `pause` seconds apart, and profile each
+    step."""
     walls: dict[str, list[float]] = {}
     cpus: dict[str, list[float]] = {}
     owner: dict[str, str] = {}
@@ -138,6 +144,7 @@ def profile_steps(
     worker_before = time.process_time()
     busy_before = busy_seconds()
     for _ in range(calls):
+        time.sleep(pause)
         marks: list[Mark] = [("worker: start", time.monotonic(), time.thread_time())]
         with _worker_marks(marks):
             outcome = runner.run_isolated(spec, args, context)
@@ -151,6 +158,8 @@ def profile_steps(
             raise RuntimeError(f"the child reported no timings: {outcome!r}")
         before, found = found[:arrival], found[arrival:]
         for previous, current in zip(before, before[1:], strict=False):
+            if current[0] == "child: layers received":
+                continue  # after a rehearsal that ended first: time spent waiting, not working
             ahead.setdefault(current[0], []).append(
                 ((current[1] - previous[1]) * 1000, (current[2] - previous[2]) * 1000)
             )

@@ -534,15 +534,26 @@ def _spare_main(
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != zygote_pid:
             os._exit(0)
-        _rehearse_until_called(sock, read_paths, roots, zygote_pid)
+        rehearsed = _rehearse_until_called(sock, read_paths, roots, zygote_pid)
         message, fds = _receive_call(sock)
         prepared: SpareLayers | None = None
         confinement = None
         if not fds:
             # Layers to apply ahead of the call; the call itself comes next.
+            arrived = _now()
             prepared = SpareLayers.model_validate_json(message)
+            if rehearsed is None:
+                # The layers came first: a call's end confines its replacement as soon as the
+                # zygote offers it, which cut the rehearsal short or came before it. Rehearse
+                # now, before the layers (unless the call is here too): otherwise the first
+                # pass over memory shared with the zygote falls to the call.
+                rehearsed = _rehearse_until_called(sock, read_paths, roots, zygote_pid)
             if prepared.timings:
-                start_timings("layers received")
+                steps = [("layers received", arrived)]
+                if rehearsed is not None:
+                    steps.append(("rehearsal", rehearsed))
+                for step, at in sorted(steps, key=lambda ended: ended[1]):
+                    start_timings(step, at)
             confinement = confine_ahead(
                 _plan(
                     _REHEARSAL_TOOL,
@@ -555,7 +566,7 @@ def _spare_main(
             )
             message, fds = _receive_call(sock)
         called = True
-        received = (time.monotonic(), time.process_time())
+        received = _now()
         if len(fds) != CALL_FD_COUNT:
             raise OSError(f"the call came with {len(fds)} descriptors, not {CALL_FD_COUNT}")
         output_fd, result_fd, control_fd, payload_fd = fds
@@ -578,6 +589,8 @@ def _spare_main(
             # Its group is set up already (and seccomp, applied ahead, refuses setpgid).
             plan = replace(plan, process_group="inherited")
         if payload.timings:
+            if prepared is None and rehearsed is not None:
+                start_timings("rehearsal", rehearsed)
             start_timings("call received", received)
             mark("payload read")
     except BaseException:  # noqa: BLE001 - nothing may unwind into the zygote's loop
@@ -638,10 +651,12 @@ def _rehearse_until_called(
     read_paths: tuple[str, ...],
     roots: tuple[ImportRoot, ...],
     zygote_pid: int,
-) -> None:
+) -> tuple[float, float] | None:
     """Rehearse a call while none is there; the call's arrival (SIGIO on the call socket) stops
     the rehearsal at once, so a call never waits for it. Whatever it left half done, the real
-    call sets up again."""
+    call sets up again. When the rehearsal ended (monotonic, CPU seconds), or None if a message
+    cut it short or was there before it."""
+    ended = None
     alarm = _CallAlarm()
     fd = sock.fileno()
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
@@ -657,11 +672,18 @@ def _rehearse_until_called(
                     _REHEARSAL_TOOL, sample, (-1, -1, -1), read_paths, roots, zygote_pid
                 )
             )
+            ended = _now()
         alarm.armed = False
     except _CallArrived:
         pass
     fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     signal.signal(signal.SIGIO, signal.SIG_DFL)
+    return ended
+
+
+def _now() -> tuple[float, float]:
+    """(monotonic, CPU seconds of this process): a step's end, for the timings."""
+    return time.monotonic(), time.process_time()
 
 
 def _plan(
