@@ -12,6 +12,7 @@ Real private redis-server, real `toolchord worker` processes; a partition or a s
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -80,8 +81,8 @@ def test_pool_process_ends_soon_after_the_hard_limit_while_redis_is_partitioned(
     # Every connection of the worker (broker, result backend, claims and results) crosses the link.
     link = Forwarder(redis_server.port)
     try:
-        start_worker(TOOLS, concurrency=1, TOOLCHORD_BROKER_URL=link.url(), TOOLCHORD_REDIS_URL=link.url(),
-                     TOOLCHORD_RESULT_BACKEND=link.url())
+        worker = start_worker(TOOLS, concurrency=1, TOOLCHORD_BROKER_URL=link.url(), TOOLCHORD_REDIS_URL=link.url(),
+                              TOOLCHORD_RESULT_BACKEND=link.url())
         orch = orchestrator(redis_url, turn_timeout=20)
         assert orch.run_calls("s-warm", [call(0, "echo", text="warm")]).results[0].status == "ok"
         thread, box = run_in_thread(orch.run_calls, "s-hang", [call(0, "hang_inproc", key="hang")])
@@ -99,6 +100,9 @@ def test_pool_process_ends_soon_after_the_hard_limit_while_redis_is_partitioned(
         assert lived > HARD_LIMIT - 1, f"ended {lived:.1f} s after the handler started, before the hard limit"
         thread.join(60)
         assert box["value"].results[0].error is not None
+        # The watchdog wrote where the pool process was stuck to the worker's log before ending it.
+        log = worker.log.read_text(errors="replace")
+        assert re.search(r'File ".*celery_tools\.py", line \d+ in hang_inproc', log), log[-3000:]
     finally:
         link.close()
 

@@ -4,30 +4,96 @@ The prefork pool enforces a task's hard time limit from the worker's main proces
 pool process running it. While the main process is blocked, on a socket to a partitioned broker or
 result backend say, nobody does: measured here, a call ran 40 s against an 11 s hard limit, until
 the partition ended. So every prefork pool process also arms a watchdog of its own for each task
-with a hard limit, `GRACE` seconds past it: `faulthandler.dump_traceback_later(exit=True)`, a C
-thread that needs no GIL, writes every thread's traceback to the worker's stderr ("Timeout
-(0:00:13)!") and ends the process with `_exit(1)`. When the main process is well it kills first and
-the watchdog never goes off. When the watchdog does, the main process sees a pool process lost
-(WorkerLostError, once it is unblocked), and the call task, with `acks_late` and
-`reject_on_worker_lost`, is delivered again: the claim decides what that delivery does
-(docs/idempotency.md).
+with a hard limit, `GRACE` seconds past it: a POSIX timer (`timer_create`, CLOCK_MONOTONIC) that
+sends the process `WATCHDOG_SIGNAL`, whose handler is `faulthandler`'s (C, no GIL needed): it
+writes every thread's traceback to the worker's stderr, then the signal's default action ends the
+process. When the main process is well it kills first and the watchdog never goes off. When the
+watchdog does, the main process sees a pool process lost (WorkerLostError, once it is unblocked),
+and the call task, with `acks_late` and `reject_on_worker_lost`, is delivered again: the claim
+decides what that delivery does (docs/idempotency.md).
 
-A process has one such faulthandler timer: tool modules must not use `dump_traceback_later`.
-The embedded worker's thread pool has no pool process to end, and no hard limit: nothing is armed.
+A timer is armed and disarmed with one system call each (about 2 us). `faulthandler`'s own
+`dump_traceback_later`, used before, starts a thread at every arm and joins it at every cancel:
+30 to 50 us per task, and milliseconds when the machine is busy and the thread waits for a CPU.
+
+`WATCHDOG_SIGNAL` is the watchdog's in a pool process: tool modules must not use it. The embedded
+worker's thread pool has no pool process to end, and no hard limit: nothing is armed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
+import os
+import signal
 from typing import Any
 
 from celery.signals import task_postrun, task_prerun, worker_process_init
 
 # Seconds past the hard limit: the main process, when it is not blocked, ends the task first.
 GRACE = 2.0
+WATCHDOG_SIGNAL = signal.SIGRTMIN + 3
+"""A real-time signal: nothing else in a worker uses it, and its default action ends the process."""
 _STDERR_FD = 2
+_CLOCK_MONOTONIC = 1
+_SIGEV_SIGNAL = 0
 
-_in_pool_process = False
+
+class _Sigevent(ctypes.Structure):
+    # struct sigevent (64 bytes): the signal to send, and how (SIGEV_SIGNAL: to the process).
+    _fields_ = [
+        ("value", ctypes.c_void_p),
+        ("signo", ctypes.c_int),
+        ("notify", ctypes.c_int),
+        ("_pad", ctypes.c_int * 12),
+    ]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("seconds", ctypes.c_long), ("nanoseconds", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("interval", _Timespec), ("value", _Timespec)]
+
+
+class Watchdog:
+    """One process's watchdog: once armed, ends the process (after writing every thread's
+    traceback to stderr) unless disarmed or armed again in time. Not inherited by forked
+    children (POSIX timers never are)."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._create = libc.timer_create
+        self._create.argtypes = [ctypes.c_int, ctypes.POINTER(_Sigevent), ctypes.POINTER(ctypes.c_void_p)]
+        self._settime = libc.timer_settime
+        self._settime.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Itimerspec), ctypes.c_void_p]
+        # chain: after the tracebacks, the previous disposition (the default: end the process).
+        faulthandler.register(WATCHDOG_SIGNAL, file=_STDERR_FD, all_threads=True, chain=True)
+        self._timer = ctypes.c_void_p()
+        event = _Sigevent(signo=WATCHDOG_SIGNAL, notify=_SIGEV_SIGNAL)
+        _check(self._create(_CLOCK_MONOTONIC, ctypes.byref(event), ctypes.byref(self._timer)))
+
+    def arm(self, seconds: float) -> None:
+        """Go off `seconds` from now (replacing any earlier arming)."""
+        whole = int(seconds)
+        self._set(_Itimerspec(value=_Timespec(whole, int((seconds - whole) * 1e9))))
+
+    def disarm(self) -> None:
+        """Go off never (until armed again)."""
+        self._set(_Itimerspec())
+
+    def _set(self, when: _Itimerspec) -> None:
+        _check(self._settime(self._timer, 0, ctypes.byref(when), None))
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+
+
+_watchdog: Watchdog | None = None
 
 
 def hard_limit_of(task: Any) -> float | None:
@@ -39,25 +105,23 @@ def hard_limit_of(task: Any) -> float | None:
 
 @worker_process_init.connect
 def _pool_process_started(**_: Any) -> None:
-    global _in_pool_process
-    _in_pool_process = True
+    global _watchdog
+    _watchdog = Watchdog()
 
 
 @task_prerun.connect
 def _arm(task: Any = None, **_: Any) -> None:
-    if not _in_pool_process or task is None:
+    if _watchdog is None or task is None:
         return
     limit = hard_limit_of(task)
-    if limit is None:
-        return
-    # The process's stderr itself (fd 2), not Celery's logging proxy: faulthandler writes from C.
-    faulthandler.dump_traceback_later(limit + GRACE, exit=True, file=_STDERR_FD)
+    if limit is not None:
+        _watchdog.arm(limit + GRACE)
 
 
 @task_postrun.connect
 def _disarm(**_: Any) -> None:
-    if _in_pool_process:
-        faulthandler.cancel_dump_traceback_later()
+    if _watchdog is not None:
+        _watchdog.disarm()
 
 
-__all__ = ["GRACE", "hard_limit_of"]
+__all__ = ["GRACE", "WATCHDOG_SIGNAL", "Watchdog", "hard_limit_of"]
