@@ -144,7 +144,8 @@ def profile_steps(
     worker_before = time.process_time()
     busy_before = busy_seconds()
     for _ in range(calls):
-        time.sleep(pause)
+        if pause:
+            time.sleep(pause)
         marks: list[Mark] = [("worker: start", time.monotonic(), time.thread_time())]
         with _worker_marks(marks):
             outcome = runner.run_isolated(spec, args, context)

@@ -155,10 +155,15 @@ def start_timings(step: str, at: tuple[float, float] | None = None) -> None:
         _marks.append((step, *at))
 
 
+def step_end() -> tuple[float, float]:
+    """(monotonic, CPU seconds of this process): when a setup step ended, for the timings."""
+    return time.monotonic(), time.process_time()
+
+
 def mark(step: str) -> None:
     """Note that `step` just ended, when timings are on; nothing otherwise."""
     if _marks is not None:
-        _marks.append((step, time.monotonic(), time.process_time()))
+        _marks.append((step, *step_end()))
 
 
 def exit_setup_failed() -> NoReturn:

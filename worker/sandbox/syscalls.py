@@ -1,4 +1,5 @@
-"""Thin ctypes wrappers for the Linux calls the sandbox needs and Python 3.11 does not expose.
+"""Thin ctypes wrappers for the Linux calls the sandbox (and the pool process's hard-limit watchdog,
+worker/hard_limit.py) needs and Python 3.11 does not expose.
 
 `os.unshare` only exists from Python 3.12 and `prctl` is not in the stdlib at all; going through
 libc keeps the sandbox free of extra compiled dependencies.
@@ -30,6 +31,8 @@ MS_PRIVATE = 0x40000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWUSER = 0x10000000
 CAP_SYS_ADMIN = 21
+CLOCK_MONOTONIC = 1
+_SIGEV_SIGNAL = 0
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -56,9 +59,51 @@ _libc.mount.argtypes = [
 _libc.mount.restype = ctypes.c_int
 
 
+class _Sigevent(ctypes.Structure):
+    # struct sigevent (64 bytes): the signal to send, and how (SIGEV_SIGNAL: to the process).
+    _fields_ = [
+        ("value", ctypes.c_void_p),
+        ("signo", ctypes.c_int),
+        ("notify", ctypes.c_int),
+        ("_pad", ctypes.c_int * 12),
+    ]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("seconds", ctypes.c_long), ("nanoseconds", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("interval", _Timespec), ("value", _Timespec)]
+
+
+_libc.timer_create.argtypes = [ctypes.c_int, ctypes.POINTER(_Sigevent), ctypes.POINTER(ctypes.c_void_p)]
+_libc.timer_create.restype = ctypes.c_int
+_libc.timer_settime.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Itimerspec), ctypes.c_void_p]
+_libc.timer_settime.restype = ctypes.c_int
+
+
 def _raise_errno(what: str) -> None:
     err = ctypes.get_errno()
     raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def timer_create(clock: int, signo: int) -> ctypes.c_void_p:
+    """timer_create(2) of a timer that sends `signo` to the process when it expires; raises OSError
+    on failure. Forked children do not inherit it."""
+    timer = ctypes.c_void_p()
+    event = _Sigevent(signo=signo, notify=_SIGEV_SIGNAL)
+    if _libc.timer_create(clock, ctypes.byref(event), ctypes.byref(timer)) != 0:
+        _raise_errno("timer_create")
+    return timer
+
+
+def timer_settime(timer: ctypes.c_void_p, seconds: float) -> None:
+    """timer_settime(2): expire once, `seconds` from now (0: never); raises OSError on failure."""
+    whole = int(seconds)
+    when = _Itimerspec(value=_Timespec(whole, int((seconds - whole) * 1e9)))
+    if _libc.timer_settime(timer, 0, ctypes.byref(when), None) != 0:
+        _raise_errno("timer_settime")
 
 
 def prctl(

@@ -35,7 +35,6 @@ import selectors
 import signal
 import socket
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NoReturn
@@ -50,6 +49,7 @@ from toolchord.worker.sandbox.child import (
     mark,
     rehearse,
     start_timings,
+    step_end,
 )
 from toolchord.worker.sandbox.import_paths import ImportRoot, private_import_roots
 from toolchord.worker.sandbox.profile import SandboxProfile
@@ -540,7 +540,7 @@ def _spare_main(
         confinement = None
         if not fds:
             # Layers to apply ahead of the call; the call itself comes next.
-            arrived = _now()
+            arrived = step_end()
             prepared = SpareLayers.model_validate_json(message)
             if rehearsed is None:
                 # The layers came first: a call's end confines its replacement as soon as the
@@ -566,7 +566,7 @@ def _spare_main(
             )
             message, fds = _receive_call(sock)
         called = True
-        received = _now()
+        received = step_end()
         if len(fds) != CALL_FD_COUNT:
             raise OSError(f"the call came with {len(fds)} descriptors, not {CALL_FD_COUNT}")
         output_fd, result_fd, control_fd, payload_fd = fds
@@ -672,18 +672,13 @@ def _rehearse_until_called(
                     _REHEARSAL_TOOL, sample, (-1, -1, -1), read_paths, roots, zygote_pid
                 )
             )
-            ended = _now()
+            ended = step_end()
         alarm.armed = False
     except _CallArrived:
         pass
     fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     signal.signal(signal.SIGIO, signal.SIG_DFL)
     return ended
-
-
-def _now() -> tuple[float, float]:
-    """(monotonic, CPU seconds of this process): a step's end, for the timings."""
-    return time.monotonic(), time.process_time()
 
 
 def _plan(
