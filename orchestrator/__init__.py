@@ -1,25 +1,35 @@
-"""toolchord orchestrator side: provider adapters, the call pipeline, turns, the agent loop."""
+"""toolchord orchestrator side: provider adapters, the call pipeline, turns, the agent loop.
+
+The names below load on first use, as the top package's do (toolchord/__init__.py): the `toolchord`
+command lives in this package (`toolchord.orchestrator.cli`), and `toolchord worker` must not pay
+for, nor carry in its processes, the orchestrator, the provider SDKs and the agent loop.
+"""
 
 from __future__ import annotations
 
-from toolchord.orchestrator.agent import Agent, AgentResult, AgentStep
-from toolchord.orchestrator.approval_store import Approval
-from toolchord.orchestrator.approvals import SessionWaiting, Settlement, UnknownApproval
-from toolchord.orchestrator.event_stores import EventLog, JsonlEventLog, RedisEventLog
-from toolchord.orchestrator.model_clients import ModelError, make_model_client
-from toolchord.orchestrator.pipeline import PermissionHook, Pipeline, PreparedCall, prepare_call
-from toolchord.orchestrator.providers import (
-    ProviderAdapter,
-    ProviderFormatError,
-    declaration,
-    declarations,
-    get_adapter,
-)
-from toolchord.orchestrator.recorder import SessionRecorder
-from toolchord.orchestrator.request_builder import PairingError, RequestBuilder, check_pairing, request_bytes
-from toolchord.orchestrator.runtime import Orchestrator
-from toolchord.orchestrator.stores import open_event_log
-from toolchord.orchestrator.turn import LateCall, TurnRecord, TurnResult
+from typing import TYPE_CHECKING, Any
+
+import toolchord
+
+if TYPE_CHECKING:
+    from toolchord.orchestrator.agent import Agent, AgentResult, AgentStep
+    from toolchord.orchestrator.approval_store import Approval
+    from toolchord.orchestrator.approvals import SessionWaiting, Settlement, UnknownApproval
+    from toolchord.orchestrator.event_stores import EventLog, JsonlEventLog, RedisEventLog
+    from toolchord.orchestrator.model_clients import ModelError, make_model_client
+    from toolchord.orchestrator.pipeline import PermissionHook, Pipeline, PreparedCall, prepare_call
+    from toolchord.orchestrator.providers import (
+        ProviderAdapter,
+        ProviderFormatError,
+        declaration,
+        declarations,
+        get_adapter,
+    )
+    from toolchord.orchestrator.recorder import SessionRecorder
+    from toolchord.orchestrator.request_builder import PairingError, RequestBuilder, check_pairing, request_bytes
+    from toolchord.orchestrator.runtime import Orchestrator
+    from toolchord.orchestrator.stores import open_event_log
+    from toolchord.orchestrator.turn import LateCall, TurnRecord, TurnResult
 
 __all__ = [
     "Agent",
@@ -54,3 +64,16 @@ __all__ = [
     "prepare_call",
     "request_bytes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: the top package knows where each public name is defined.
+    if name not in __all__:
+        raise AttributeError(f"module 'toolchord.orchestrator' has no attribute {name!r}")
+    value = getattr(toolchord, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "toolchord"
 
@@ -146,6 +148,30 @@ def test_a_worker_process_loads_no_orchestrator_code() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_the_worker_command_loads_no_orchestrator_code_before_celery() -> None:
+    """`toolchord worker` runs in the CLI's package, `toolchord.orchestrator`: up to its exec of
+    Celery it holds that package's face and the CLI module, not the orchestrator or a provider SDK."""
+    code = (
+        "import sys, toolchord.orchestrator.cli, toolchord.worker.launch;"
+        "toolchord.worker.launch.worker_command(['--tools', 'tests.celery_tools'], {'TOOLCHORD_BROKER_URL': 'redis://x'});"
+        "print(sorted(m for m in sys.modules if m.startswith('toolchord.orchestrator') or m in ('openai', 'anthropic')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "['toolchord.orchestrator', 'toolchord.orchestrator.cli']"
+
+
+def test_the_orchestrator_package_face_loads_each_name_on_first_use() -> None:
+    """`from toolchord.orchestrator import Orchestrator` still works, and is the top package's object."""
+    import toolchord
+    import toolchord.orchestrator as orchestrator
+    from toolchord.orchestrator import Orchestrator, TurnResult
+
+    assert Orchestrator is toolchord.Orchestrator and TurnResult is orchestrator.TurnResult
+    assert set(orchestrator.__all__) <= set(dir(orchestrator))
+    with pytest.raises(AttributeError, match="no attribute 'Worker'"):
+        orchestrator.Worker  # noqa: B018
 
 
 def test_the_approval_desk_does_not_know_the_orchestrator() -> None:
