@@ -12,24 +12,40 @@ from typing import TYPE_CHECKING, Any
 import toolchord
 
 if TYPE_CHECKING:
-    from toolchord.orchestrator.agent import Agent, AgentResult, AgentStep
-    from toolchord.orchestrator.approval_store import Approval
-    from toolchord.orchestrator.approvals import SessionWaiting, Settlement, UnknownApproval
-    from toolchord.orchestrator.event_stores import EventLog, JsonlEventLog, RedisEventLog
-    from toolchord.orchestrator.model_clients import ModelError, make_model_client
-    from toolchord.orchestrator.pipeline import PermissionHook, Pipeline, PreparedCall, prepare_call
-    from toolchord.orchestrator.providers import (
+    # The top package's face says where each name is defined.
+    from toolchord import (
+        Agent,
+        AgentResult,
+        AgentStep,
+        Approval,
+        EventLog,
+        JsonlEventLog,
+        LateCall,
+        ModelError,
+        Orchestrator,
+        PairingError,
+        PermissionHook,
+        Pipeline,
+        PreparedCall,
         ProviderAdapter,
         ProviderFormatError,
+        RedisEventLog,
+        RequestBuilder,
+        SessionRecorder,
+        SessionWaiting,
+        Settlement,
+        TurnRecord,
+        TurnResult,
+        UnknownApproval,
+        check_pairing,
         declaration,
         declarations,
         get_adapter,
+        make_model_client,
+        open_event_log,
+        prepare_call,
+        request_bytes,
     )
-    from toolchord.orchestrator.recorder import SessionRecorder
-    from toolchord.orchestrator.request_builder import PairingError, RequestBuilder, check_pairing, request_bytes
-    from toolchord.orchestrator.runtime import Orchestrator
-    from toolchord.orchestrator.stores import open_event_log
-    from toolchord.orchestrator.turn import LateCall, TurnRecord, TurnResult
 
 __all__ = [
     "Agent",
