@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -101,12 +102,19 @@ class RabbitVhost:
             self.delete()
             raise
 
-    def purge(self, queues: tuple[str, ...] = TEST_QUEUES) -> None:
-        """Drop the messages a previous test left in `queues` (a queue not declared yet is skipped)."""
+    def purge(self, queues: tuple[str, ...] = TEST_QUEUES, timeout: float = 30.0) -> None:
+        """Drop the messages a previous test left in `queues` (a queue not declared yet is skipped),
+        once no consumer is left on them: a killed worker's deliveries go back to their queue when
+        RabbitMQ sees its connection drop, and one requeued after the purge would reach the next test."""
+        deadline = time.monotonic() + timeout
         with Connection(self.url) as connection:
             for queue in queues:
                 channel = connection.channel()
                 try:
+                    while channel.queue_declare(queue, passive=True).consumer_count:
+                        if time.monotonic() > deadline:
+                            raise AssertionError(f"queue {queue} still has consumers {timeout} s after the test")
+                        time.sleep(0.02)
                     channel.queue_purge(queue)
                 except connection.channel_errors:
                     continue  # NOT_FOUND closed this channel; the next queue gets a new one
