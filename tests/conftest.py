@@ -95,15 +95,16 @@ def broker_url(request: pytest.FixtureRequest, redis_url: str, clean_redis: redi
 @pytest.fixture
 def start_worker(redis_url: str, broker_url: str, clean_redis: redis.Redis,
                  tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
-    """Start real worker processes: `start_worker(tools, queues="toolchord", concurrency=2, **env)`."""
+    """Start real worker processes: `start_worker(tools, queues="toolchord", concurrency=2, **env)`;
+    `args` are more `toolchord worker` options."""
     started: list[WorkerProcess] = []
 
     def start(tool_modules: str, queues: str = "toolchord", concurrency: int = 2, name: str | None = None,
-              **extra_env: str) -> WorkerProcess:
+              args: Sequence[str] = (), **extra_env: str) -> WorkerProcess:
         name = name or f"w{len(started) + 1}"
         env = worker_env(redis_url, tool_modules,
                          **{"TOOLCHORD_BROKER_URL": broker_url, "TOOLCHORD_REDIS_URL": redis_url, **extra_env})
-        worker = WorkerProcess(env, queues, concurrency, name, tmp_path / f"{name}.log")
+        worker = WorkerProcess(env, queues, concurrency, name, tmp_path / f"{name}.log", args=args)
         worker.start()
         started.append(worker)
         return worker

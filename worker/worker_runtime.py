@@ -13,7 +13,7 @@ from typing import Any
 import redis
 from celery import Celery
 from celery.concurrency.thread import TaskPool as ThreadTaskPool
-from celery.signals import worker_init, worker_process_init, worker_ready
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_ready
 
 from toolchord.worker.config import Settings
 from toolchord.worker.idempotency import IdempotencyStore, LeaseRenewer
@@ -186,3 +186,11 @@ def _start_sandbox_zygote(**_: Any) -> None:
     start_zygote([m for runtime in _RUNTIMES for m in runtime.settings.tool_modules], wait=False)
 
 
+@worker_process_shutdown.connect
+def _release_sandbox(**_: Any) -> None:
+    # A pool process ends with os._exit (billiard), past the exit hooks that let the zygote's spares
+    # go: without this, every pool process that ends (a warm stop, a recycled process) would leave
+    # the workdirs of its spares behind for good, and their cgroups until another worker starts.
+    from toolchord.worker.sandbox import release_before_exit
+
+    release_before_exit()

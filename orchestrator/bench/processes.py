@@ -184,11 +184,12 @@ class WorkerProcess:
     """A real worker, started as users start one (`toolchord worker`, prefork pool), in its own process group."""
 
     def __init__(self, env: dict[str, str], queues: str, concurrency: int, name: str, log: Path,
-                 loglevel: str = "INFO", include: Sequence[str] = ()) -> None:
+                 loglevel: str = "INFO", include: Sequence[str] = (), args: Sequence[str] = ()) -> None:
         """`include`: modules of plain Celery tasks the worker's app imports (Celery's `--include`),
-        unlike tool modules (TOOLCHORD_TOOL_MODULES) not imported by the sandbox zygote."""
+        unlike tool modules (TOOLCHORD_TOOL_MODULES) not imported by the sandbox zygote; `args`: more
+        `toolchord worker` options (for instance `--max-tasks-per-child 1`)."""
         self.env, self.queues, self.concurrency, self.name, self.log = env, queues, concurrency, name, log
-        self.loglevel, self.include = loglevel, tuple(include)
+        self.loglevel, self.include, self.args = loglevel, tuple(include), tuple(args)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30.0) -> None:
@@ -200,7 +201,7 @@ class WorkerProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "toolchord.orchestrator.cli", "worker", "--concurrency", str(self.concurrency),
                  "--queues", self.queues, "--hostname", f"{self.name}@%h", "--loglevel", self.loglevel,
-                 "--without-mingle", "--without-gossip", *include],
+                 "--without-mingle", "--without-gossip", *include, *self.args],
                 env=self.env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
             )
         try:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
         log_layers,
         probe,
     )
-    from toolchord.worker.sandbox.runner import run_isolated
+    from toolchord.worker.sandbox.runner import release_before_exit, run_isolated
     from toolchord.worker.sandbox.zygote import start_zygote, stop_zygote, zygote_pid
 
 _LAZY = {
@@ -28,6 +28,7 @@ _LAZY = {
     "describe_layers": "toolchord.worker.sandbox.capabilities",
     "log_layers": "toolchord.worker.sandbox.capabilities",
     "probe": "toolchord.worker.sandbox.capabilities",
+    "release_before_exit": "toolchord.worker.sandbox.runner",
     "run_isolated": "toolchord.worker.sandbox.runner",
     "start_zygote": "toolchord.worker.sandbox.zygote",
     "stop_zygote": "toolchord.worker.sandbox.zygote",
@@ -49,6 +50,7 @@ __all__ = [
     "describe_layers",
     "log_layers",
     "probe",
+    "release_before_exit",
     "run_isolated",
     "start_zygote",
     "stop_zygote",

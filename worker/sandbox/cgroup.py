@@ -373,13 +373,14 @@ def remove_pending() -> bool:
             return not _pending_removal
 
 
-def _remove_at_exit() -> None:
+def remove_at_exit() -> None:
+    """Remove what `remove_pending` can within EXIT_WAIT_SECONDS (calls' processes still exiting)."""
     deadline = time.monotonic() + EXIT_WAIT_SECONDS
     while not remove_pending() and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
-atexit.register(_remove_at_exit)
+atexit.register(remove_at_exit)
 # A forked process (a Celery pool child) leaves its parent's cgroups to the parent.
 os.register_at_fork(after_in_child=_pending_removal.clear)
 

@@ -59,6 +59,7 @@ from toolchord.worker.sandbox.workdir import (
     make_workdir,
     remove_workdir,
     remove_workdir_later,
+    wait_for_removals,
 )
 from toolchord.worker.sandbox.zygote import (
     ZYGOTE_ENV,
@@ -67,6 +68,7 @@ from toolchord.worker.sandbox.zygote import (
     ZygoteToolError,
     ZygoteUnavailable,
     locate,
+    stop_zygote,
     zygote_client,
     zygote_enabled,
 )
@@ -171,6 +173,15 @@ def run_isolated(
             error_type="SandboxError",
             error_message=f"could not start the sandbox: {type(exc).__name__}: {exc}",
         )
+
+
+def release_before_exit() -> None:
+    """Stop this process's zygote and remove the workdirs and cgroups of its spares and of ended
+    calls, as the process's exit hooks would: for a process that ends with `os._exit` (a Celery
+    pool process), which skips them."""
+    stop_zygote()
+    wait_for_removals()
+    cgroup.remove_at_exit()
 
 
 def transient_type_names(spec: ToolSpec) -> frozenset[str]:
