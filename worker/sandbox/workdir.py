@@ -11,6 +11,11 @@ handler left behind (its workdir removed, renamed, replaced by a symlink, direct
 nothing above or outside the call's own workdir is ever changed. A workdir the handler moved
 elsewhere (possible when the call has the worker's uid and no disk layer) is found again through
 a descriptor held on it since its creation, and removed where it now is.
+
+A workdir is named after the process that made it (`toolchord-call-<pid>.<pid namespace>-<random>`):
+a worker process killed before it removed its workdirs (its spares', a call's in flight) leaves
+them behind, and the next process to open the same root removes those of processes of its pid
+namespace that are gone, in the background (`remove_stale`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import stat
 import tempfile
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 WORKDIR_ROOT_ENV = "TOOLCHORD_SANDBOX_DIR"
 WORKDIR_PREFIX = "toolchord-call-"
@@ -50,6 +56,8 @@ class SandboxRoot:
     owner: tuple[int, int, str]
     """(pid, euid, configured path) it was opened for: a forked or setuid'd process, or a new
     setting, opens and checks its own."""
+    maker: str
+    """`<pid>.<pid namespace>` of that process, the start of its workdirs' names after the prefix."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,7 @@ def sandbox_root() -> SandboxRoot:
             # A replaced root's descriptor stays open: workdirs queued for removal still use it.
             _root = None
             _root = _open_root(path, owner)
+            threading.Thread(target=remove_stale, args=(_root,), name="toolchord-workdir-sweep", daemon=True).start()
         return _root
 
 
@@ -120,19 +129,76 @@ def _open_root(path: str, owner: tuple[int, int, str]) -> SandboxRoot:
     except BaseException:
         os.close(fd)
         raise
-    return SandboxRoot(path=path, fd=fd, owner=owner)
+    return SandboxRoot(path=path, fd=fd, owner=owner, maker=f"{owner[0]}.{_pid_namespace()}")
 
 
 def make_workdir() -> Workdir:
-    """A fresh, empty directory (mode 0700) for one call."""
+    """A fresh, empty directory (mode 0700) for one call, named after this process."""
     root = sandbox_root()
     while True:
-        name = WORKDIR_PREFIX + secrets.token_hex(8)
+        name = f"{WORKDIR_PREFIX}{root.maker}-{secrets.token_hex(8)}"
         try:
             os.mkdir(name, 0o700, dir_fd=root.fd)
         except FileExistsError:
             continue
         return Workdir(root=root, name=name, fd=os.open(name, _DIR_FLAGS, dir_fd=root.fd))
+
+
+def remove_stale(root: SandboxRoot) -> int:
+    """Remove the workdirs in `root` made by processes of this pid namespace that are gone (a
+    worker process killed before it removed them); return how many. A name whose process is alive,
+    or one of another pid namespace (a root shared between containers), is left alone."""
+    namespace = _pid_namespace()
+    if not namespace:
+        return 0  # which processes the names mean is unknown here
+    removed = 0
+    with os.scandir(root.fd) as entries:
+        names = [entry.name for entry in entries]
+    for name in names:
+        owner = _owner(name)
+        if owner is None or owner[1] != namespace or _alive(owner[0]):
+            continue
+        try:
+            _remove_entry(root.fd, name)
+        except FileNotFoundError:
+            continue  # another process of the worker removed it first
+        except OSError as exc:
+            _log.warning("could not remove the stale sandbox workdir %s: %s", os.path.join(root.path, name), exc)
+            continue
+        removed += 1
+    if removed:
+        _log.info("removed %d sandbox workdirs of worker processes that are gone", removed)
+    return removed
+
+
+def _pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _owner(name: str) -> tuple[int, int] | None:
+    """(pid, pid namespace) of the process that made the workdir `name`, or None (not a workdir,
+    or one named before workdirs carried their maker)."""
+    owner, _, token = name.removeprefix(WORKDIR_PREFIX).rpartition("-")
+    pid, _, namespace = owner.partition(".")
+    if not name.startswith(WORKDIR_PREFIX) or not token or not pid.isdigit() or not namespace.isdigit():
+        return None
+    return int(pid), int(namespace)
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process runs: a zombie does not (a killed worker's pool processes wait as
+    zombies until whoever adopted them reaps them)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        return True  # cannot tell: leave its workdirs
+    return state not in (b"Z", b"X")
 
 
 def remove_workdir(workdir: Workdir) -> bool:
