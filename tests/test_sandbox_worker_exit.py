@@ -74,19 +74,25 @@ def _workdirs(root: Path) -> set[str]:
     return {p.name for p in root.glob("toolchord-call-*")}
 
 
-def test_a_killed_worker_s_workdirs_are_removed_by_the_next_worker_on_its_root(
+def test_a_killed_worker_s_workdirs_and_cgroups_are_removed_by_the_next_worker(
         start_worker: Callable[..., WorkerProcess], redis_url: str, tmp_path: Path) -> None:
     root = tmp_path / "sandbox"
     killed = start_worker(TOOLS, concurrency=2, name="killed", TOOLCHORD_SANDBOX_DIR=str(root))
     orch = orchestrator(redis_url)
     assert orch.run_calls("s-killed", [call(0, "echo", text="a")]).results[0].content == "a"
     wait_for(lambda: bool(_workdirs(root)), 30, "spares confined ahead of their calls")
+    killed_pool = _pool_pids(killed)
     killed.kill()
     left = _workdirs(root)
     assert left
+    with_cgroups = "cgroup" in probe().available()
+    if with_cgroups:
+        assert _call_cgroups(killed_pool)
     start_worker(TOOLS, concurrency=2, name="next", TOOLCHORD_SANDBOX_DIR=str(root))
     assert orch.run_calls("s-next", [call(0, "echo", text="b")]).results[0].content == "b"
     wait_for(lambda: not left & _workdirs(root), 30, "the killed worker's workdirs to be removed")
+    if with_cgroups:
+        wait_for(lambda: not _call_cgroups(killed_pool), 30, "the killed worker's call cgroups to be removed")
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from toolchord.worker.sandbox.limits import MIB
+from toolchord.worker.sandbox.liveness import process_alive
 from toolchord.worker.sandbox.profile import SandboxProfile
 
 KILL_ROUNDS = 64
@@ -82,12 +83,7 @@ def _remove_stale(found: tuple[Hierarchy, ...]) -> None:
             owner = name.removeprefix(CALL_PREFIX).split("-")[0]
             if not name.startswith(CALL_PREFIX) or not owner.isdigit():
                 continue
-            try:
-                os.kill(int(owner), 0)
-                continue  # its worker process is alive
-            except ProcessLookupError:
-                pass
-            except PermissionError:
+            if process_alive(int(owner)):
                 continue
             stale = CallCgroup(((hierarchy, os.path.join(hierarchy.path, name)),))
             stale.kill_all()

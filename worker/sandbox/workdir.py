@@ -30,7 +30,8 @@ import stat
 import tempfile
 import threading
 from dataclasses import dataclass
-from pathlib import Path
+
+from toolchord.worker.sandbox.liveness import process_alive
 
 WORKDIR_ROOT_ENV = "TOOLCHORD_SANDBOX_DIR"
 WORKDIR_PREFIX = "toolchord-call-"
@@ -156,7 +157,7 @@ def remove_stale(root: SandboxRoot) -> int:
         names = [entry.name for entry in entries]
     for name in names:
         owner = _owner(name)
-        if owner is None or owner[1] != namespace or _alive(owner[0]):
+        if owner is None or owner[1] != namespace or process_alive(owner[0]):
             continue
         try:
             _remove_entry(root.fd, name)
@@ -187,18 +188,6 @@ def _owner(name: str) -> tuple[int, int] | None:
     if not name.startswith(WORKDIR_PREFIX) or not token or not pid.isdigit() or not namespace.isdigit():
         return None
     return int(pid), int(namespace)
-
-
-def _alive(pid: int) -> bool:
-    """Whether the process runs: a zombie does not (a killed worker's pool processes wait as
-    zombies until whoever adopted them reaps them)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        return True  # cannot tell: leave its workdirs
-    return state not in (b"Z", b"X")
 
 
 def remove_workdir(workdir: Workdir) -> bool:
