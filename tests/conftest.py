@@ -113,7 +113,7 @@ def start_worker(redis_url: str, broker_url: str, clean_redis: redis.Redis,
     # Killed, not stopped warm: nothing is checked after the test, and a warm stop costs each worker
     # over a second (billiard's pool processes sleep 1 s before they exit), a minute of the suite.
     # The zygotes and their children die with their pool process (PDEATHSIG); the next worker
-    # removes the call cgroups left behind, as after any killed worker.
+    # removes the call cgroups and workdirs left behind, as after any killed worker.
     for worker in started:
         worker.kill()
 
