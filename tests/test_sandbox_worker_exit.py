@@ -36,6 +36,10 @@ def _call_cgroups(pids: set[int]) -> list[Path]:
             if entry.name.startswith(prefixes)]
 
 
+def _workdirs(root: Path) -> set[str]:
+    return {p.name for p in root.glob("toolchord-call-*")}
+
+
 def test_a_worker_stopped_warm_leaves_no_workdir_or_cgroup_of_its_spares(
         start_worker: Callable[..., WorkerProcess], redis_url: str, tmp_path: Path) -> None:
     root = tmp_path / "sandbox"
@@ -44,13 +48,13 @@ def test_a_worker_stopped_warm_leaves_no_workdir_or_cgroup_of_its_spares(
     turn = orchestrator(redis_url).run_calls("s-exit", [call(i, "echo", text=str(i)) for i in range(4)])
     assert [r.content for r in turn.results] == ["0", "1", "2", "3"]
     # Spares confined ahead for the next calls hold their workdirs (and cgroups) now.
-    wait_for(lambda: any(root.glob("toolchord-call-*")), 30, "spares confined ahead of their calls")
+    wait_for(lambda: bool(_workdirs(root)), 30, "spares confined ahead of their calls")
     with_cgroups = "cgroup" in probe().available()
     if with_cgroups:
         assert _call_cgroups(pool)
     worker.stop()
     assert worker.proc is not None and worker.proc.returncode == 0
-    assert sorted(p.name for p in root.glob("toolchord-call-*")) == []
+    assert _workdirs(root) == set()
     if with_cgroups:
         assert _call_cgroups(pool) == []
 
@@ -66,12 +70,8 @@ def test_pool_processes_recycled_after_each_task_leave_no_workdirs_behind(
     for i in range(3):
         turn = orch.run_calls(f"s-recycled-{i}", [call(0, "echo", text=str(i))])
         assert turn.results[0].content == str(i)
-        held.append(len(list(root.glob("toolchord-call-*"))))
+        held.append(len(_workdirs(root)))
     assert max(held) <= SPARES, held
-
-
-def _workdirs(root: Path) -> set[str]:
-    return {p.name for p in root.glob("toolchord-call-*")}
 
 
 def test_a_killed_worker_s_workdirs_and_cgroups_are_removed_by_the_next_worker(
