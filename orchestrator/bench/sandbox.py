@@ -7,8 +7,10 @@ sandboxed paths are sampled alternately, so load from other processes affects bo
 the profile of a zygote call step by step (`sandbox_steps`): wall time on the call's critical path
 and CPU, per step and per process, of calls back to back (or `--pause-ms` apart); with
 `--unprivileged UID` the same profile once more from a worker process running as that uid (forked
-from this one, as tests/unprivileged.py does). Last,
-the CPU time one zygote call costs summed over every process, and each target with MET/MISSED.
+from this one, as tests/unprivileged.py does). Then
+the CPU time one zygote call costs summed over every process; the floor under it, what a process,
+a workdir and a cgroup per call cost here with nothing else run (`sandbox_floor`); last, each
+target with MET/MISSED.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel
 
 from toolchord.orchestrator.bench.processes import output_of_fork
+from toolchord.orchestrator.bench.sandbox_floor import format_floor, measure_floor
 from toolchord.orchestrator.bench.sandbox_steps import format_profile, profile_steps
 from toolchord.worker import ToolContext, call_handler
 from toolchord.worker.sandbox import describe_layers, run_isolated
@@ -79,6 +82,15 @@ def _unprivileged_profile(uid: int, calls: int, pause: float) -> str:
     return output_of_fork(profile).decode()
 
 
+def _anonymous_mb(pid: int | None) -> float | None:
+    """A process's anonymous resident memory in MB, None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next(int(line.split()[1]) / 1024 for line in status if line.startswith("RssAnon:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def _call() -> tuple[ToolSpec, BaseModel, ToolContext]:
     spec: ToolSpec = importlib.import_module(TOOL_MODULE).add
     context = ToolContext(
@@ -115,7 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec, args, context = _call()
     print(describe_layers())
     start_zygote([spec.handler.__module__])
-    print(f"zygote pid: {zygote_pid()}")
+    zygote = zygote_pid()
+    print(f"zygote pid: {zygote}")
     paths = {"zygote": True, "direct fork": False}
     for (
         enabled
@@ -154,13 +167,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"CPU per zygote call, all processes: {cpu_ms:8.3f} ms over {options.calls} calls "
           f"(worker, zygote and its children; machine-wide counters, other load included: "
           f"{cpu['whole machine (other load included)']:.3f} ms)")
+    floor = measure_floor([TOOL_MODULE], spec.sandbox, options.calls)
+    print(format_floor(floor, _anonymous_mb(zygote), CPU_TARGET_MS))
     print(
         f"target: zygote call overhead <= {OVERHEAD_TARGET_MS:g} ms: "
         f"{overheads['zygote']:.3f} ms {_verdict(overheads['zygote'] <= OVERHEAD_TARGET_MS)}"
     )
     print(
         f"target: CPU per sandboxed call <= {CPU_TARGET_MS:g} ms: "
-        f"{cpu_ms:.3f} ms {_verdict(cpu_ms <= CPU_TARGET_MS)}"
+        f"{cpu_ms:.3f} ms {_verdict(cpu_ms <= CPU_TARGET_MS)} "
+        f"(floor of a process per call here: {floor.total_ms:.3f} ms)"
     )
     return 0
 

@@ -1,0 +1,193 @@
+"""What one process per call costs on this machine before the sandbox does anything: the floor
+under `bench sandbox`'s CPU target.
+
+Every sandboxed call runs in a process of its own forked from the zygote, and its workdir and
+cgroup are made and removed by the worker. This module measures those parts alone, with nothing
+of the sandbox or of the call run: an interpreter that imports what the zygote imports (the tool
+modules and toolchord's child code) forks children that exit at once, and the worker's own
+functions make and remove a call's cgroup and workdir. No design that keeps a process, a workdir
+and a cgroup per call can cost less CPU per call than their sum on the same machine.
+
+The children are forked with `os.fork()`, whose after-fork hooks (`threading`, `logging`, and
+`random`'s reseeding, which keeps calls from sharing a generator's state) every Python child of
+the zygote runs; a raw `fork` system call, which skips them, is measured beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from pydantic import BaseModel
+
+from toolchord.worker.sandbox import cgroup
+from toolchord.worker.sandbox.profile import SandboxProfile
+from toolchord.worker.sandbox.workdir import make_workdir, remove_workdir
+
+ZYGOTE_IMPORTS = ("toolchord.worker.sandbox.zygote_server",)
+"""What the zygote imports besides the tool modules (the child's code comes with it)."""
+
+_FORKS_SCRIPT = """\
+import ctypes, gc, importlib, json, os, resource, sys
+spec = json.loads(sys.argv[1])
+sys.path[:] = spec["sys_path"]
+for name in spec["modules"]:
+    importlib.import_module(name)
+gc.freeze()
+libc = ctypes.CDLL(None, use_errno=True)
+SYS_fork, SYS_exit = 57, 60  # x86_64; the raw figure is skipped elsewhere
+
+def fork_python():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    return pid
+
+def fork_raw():
+    pid = libc.syscall(SYS_fork)
+    if pid == 0:
+        libc.syscall(SYS_exit, 0)
+    return pid
+
+def measure(fork):
+    self0, children0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    for _ in range(spec["forks"]):
+        os.waitpid(fork(), 0)
+    self1, children1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = lambda a, b: (b.ru_utime + b.ru_stime - a.ru_utime - a.ru_stime) * 1000 / spec["forks"]
+    return {"parent_cpu_ms": cpu(self0, self1), "child_cpu_ms": cpu(children0, children1),
+            "child_faults": (children1.ru_minflt - children0.ru_minflt) / spec["forks"]}
+
+for fork in (fork_python, fork_raw):  # warm up
+    if fork is fork_python or os.uname().machine == "x86_64":
+        for _ in range(20):
+            os.waitpid(fork(), 0)
+anonymous_kb = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon:"))
+report = {"anonymous_mb": anonymous_kb / 1024, "python": measure(fork_python),
+          "raw": measure(fork_raw) if os.uname().machine == "x86_64" else None}
+print(json.dumps(report))
+"""
+
+
+class ForkCost(BaseModel):
+    """CPU of one fork whose child exits at once, per fork."""
+
+    parent_cpu_ms: float
+    child_cpu_ms: float
+    """The child's whole life: its side of the fork, the after-fork hooks (with `os.fork`), its
+    exit (tearing down its copy of the page tables)."""
+    child_faults: float
+
+    @property
+    def total_ms(self) -> float:
+        return self.parent_cpu_ms + self.child_cpu_ms
+
+
+class ForkFloor(BaseModel):
+    """Forks from an interpreter holding `modules`, reported by that interpreter as JSON."""
+
+    anonymous_mb: float
+    """The forking interpreter's anonymous resident memory (its page tables are what fork copies)."""
+    python: ForkCost
+    """With `os.fork()`, as the zygote forks."""
+    raw: ForkCost | None
+    """With the bare `fork` system call and `_exit` (x86_64 only): the kernel's part alone."""
+
+
+class ProcessFloor(BaseModel):
+    """The floor of a process per call: the zygote-like fork, a bare interpreter's fork for
+    comparison, and the worker's cgroup and workdir per call (None where cgroups are not usable)."""
+
+    zygote_fork: ForkFloor
+    bare_fork: ForkFloor
+    cgroup_ms: float | None
+    workdir_ms: float
+
+    @property
+    def total_ms(self) -> float:
+        """CPU per call that no process-per-call design avoids here."""
+        return self.zygote_fork.python.total_ms + (self.cgroup_ms or 0.0) + self.workdir_ms
+
+
+def fork_floor(modules: Sequence[str], forks: int) -> ForkFloor:
+    """Fork `forks` children that exit at once from a new `python -I` importing `modules`."""
+    spec = {
+        "sys_path": [os.path.abspath(path) if path else os.getcwd() for path in sys.path],
+        "modules": list(modules),
+        "forks": forks,
+    }
+    output = subprocess.run(
+        [sys.executable, "-I", "-c", _FORKS_SCRIPT, json.dumps(spec)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    ).stdout
+    return ForkFloor.model_validate_json(output)
+
+
+def _thread_cpu_ms(action: object, times: int) -> float:
+    start = time.thread_time()
+    for _ in range(times):
+        action()  # type: ignore[operator]
+    return (time.thread_time() - start) * 1000 / times
+
+
+def measure_floor(tool_modules: Sequence[str], profile: SandboxProfile, forks: int) -> ProcessFloor:
+    """Measure the floor of a process per call for a zygote of `tool_modules` (see the module)."""
+    hierarchies = cgroup.hierarchies()
+    cgroup_ms = (
+        _thread_cpu_ms(lambda: cgroup.CallCgroup.create(hierarchies, profile).remove(), forks)
+        if hierarchies
+        else None
+    )
+    return ProcessFloor(
+        zygote_fork=fork_floor([*tool_modules, *ZYGOTE_IMPORTS], forks),
+        bare_fork=fork_floor([], forks),
+        cgroup_ms=cgroup_ms,
+        workdir_ms=_thread_cpu_ms(lambda: remove_workdir(make_workdir()), forks),
+    )
+
+
+def format_floor(floor: ProcessFloor, zygote_anonymous_mb: float | None, target_ms: float) -> str:
+    """The floor as the lines `bench sandbox` prints, ending with how it stands to the target."""
+    zygote = floor.zygote_fork
+    seen = f"; the running zygote: {zygote_anonymous_mb:.1f} MB" if zygote_anonymous_mb else ""
+
+    def fork_line(name: str, cost: ForkCost) -> str:
+        return (
+            f"    {name:38s}{cost.total_ms:8.3f} ms  (forking process {cost.parent_cpu_ms:.3f}, "
+            f"child {cost.child_cpu_ms:.3f}, {cost.child_faults:.0f} faults in the child)"
+        )
+
+    lines = [
+        "floor of a process per call on this machine (CPU per call, nothing of the sandbox or "
+        "the call run):",
+        f"  fork, child exits at once, from an interpreter with the zygote's imports "
+        f"({zygote.anonymous_mb:.1f} MB anonymous{seen}):",
+        fork_line("os.fork(), as the zygote forks", zygote.python),
+    ]
+    if zygote.raw is not None:
+        lines.append(fork_line("raw fork system call (kernel alone)", zygote.raw))
+    lines.append(
+        f"  the same from a bare interpreter ({floor.bare_fork.anonymous_mb:.1f} MB anonymous):"
+    )
+    lines.append(fork_line("os.fork()", floor.bare_fork.python))
+    cgroup_text = f"{floor.cgroup_ms:.3f} ms" if floor.cgroup_ms is not None else "no cgroups here"
+    lines.append(
+        f"  the worker's cgroup per call (made with its limits, removed): {cgroup_text}; "
+        f"workdir per call (made, removed): {floor.workdir_ms:.3f} ms"
+    )
+    left = target_ms - floor.total_ms
+    standing = (
+        f"leaves {left:.3f} ms for the layers, the call and its dispatch"
+        if left > 0
+        else f"is {-left:.3f} ms below it: not reachable with a process per call on this machine"
+    )
+    lines.append(
+        f"  floor: {floor.total_ms:.3f} ms per call; the CPU target ({target_ms:g} ms) {standing}"
+    )
+    return "\n".join(lines)
