@@ -38,7 +38,7 @@ def test_short_run_reports_wall_time_and_cpu_per_call() -> None:
     assert re.search(r"target: zygote call overhead <= 1 ms: \d+\.\d+ ms (MET|MISSED)", out), out
     assert re.search(r"floor: \d+\.\d+ ms per call .* the CPU target \(3 ms\) (leaves|is)", out), out
     assert re.search(
-        r"target: CPU per sandboxed call <= 3 ms: \d+\.\d+ ms (MET|MISSED) \(floor of a process", out
+        r"target: CPU per sandboxed call <= 3 ms: \d+\.\d+ ms (MET|MISSED) \(floor of a process per call and the layers", out
     ), out
 
 
