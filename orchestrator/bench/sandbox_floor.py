@@ -3,10 +3,11 @@ under `bench sandbox`'s CPU target.
 
 Every sandboxed call runs in a process of its own forked from the zygote, and its workdir and
 cgroup are made and removed by the worker. This module measures those parts alone, with nothing
-of the sandbox or of the call run: an interpreter that imports what the zygote imports (the tool
-modules and toolchord's child code) forks children that exit at once, and the worker's own
+of the sandbox or of toolchord's call code run: an interpreter that imports what the zygote
+imports (the tool modules and toolchord's child code) forks children, and the worker's own
 functions make and remove a call's cgroup and workdir. No design that keeps a process, a workdir
-and a cgroup per call can cost less CPU per call than their sum on the same machine.
+and a cgroup per call can cost less CPU per call than a child that runs the least a call can
+(below) and that cgroup and workdir, on the same machine.
 
 The children are forked with `os.fork()`, whose after-fork hooks (`threading`, `logging`, and
 `random`'s reseeding, which keeps calls from sharing a generator's state) every Python child of
@@ -106,12 +107,12 @@ print(json.dumps(report))
 
 
 class ForkCost(BaseModel):
-    """CPU of one fork whose child exits at once, per fork."""
+    """CPU and faults per fork, of one kind of child (see `ForkFloor`)."""
 
     parent_cpu_ms: float
     child_cpu_ms: float
-    """The child's whole life: its side of the fork, the after-fork hooks (with `os.fork`), its
-    exit (tearing down its copy of the page tables)."""
+    """The child's whole life: its side of the fork, the after-fork hooks (with `os.fork`), what
+    it runs, its exit (tearing down its copy of the page tables)."""
     child_faults: float
 
     @property
