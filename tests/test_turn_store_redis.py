@@ -52,6 +52,9 @@ def test_finish_stores_result_and_done_record_and_keeps_the_late_calls_of_the_se
     # A resubmission of the finished turn gets its result back, and saves nothing.
     again, _ = store.begin(_record("t1"))
     assert again == result
+    resubmitted_record = store.record("s", "t1")
+    assert resubmitted_record is not None and resubmitted_record.status == "done"
+    assert store.active("s") is None
 
 
 def test_begin_runs_after_the_script_cache_is_lost_and_finish_without_late_calls_leaves_no_late_hash(
