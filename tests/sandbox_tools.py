@@ -84,6 +84,20 @@ def connect_open(host: str, port: int) -> str:
         return "connected"
 
 
+@tool(timeout=5, sandbox=SandboxProfile(env_allow=("PATH", "TOOLCHORD_TEST_CALL_VALUE")))
+def call_facts(tag: str, ctx: ToolContext) -> dict[str, object]:
+    """Report what reached the call itself: its argument, context, allowed variable and CPU limit."""
+    import resource
+
+    return {
+        "tag": tag,
+        "call_id": ctx.call_id,
+        "deadline": ctx.deadline,
+        "value": os.environ.get("TOOLCHORD_TEST_CALL_VALUE"),
+        "cpu_limit": resource.getrlimit(resource.RLIMIT_CPU)[0],
+    }
+
+
 @tool(timeout=5)
 def environment(ppid: int) -> dict[str, object]:
     """Report the environment and try the worker's."""

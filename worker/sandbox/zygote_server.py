@@ -37,7 +37,7 @@ import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import NoReturn
+from typing import NoReturn, TypedDict
 
 from toolchord.worker.context import ToolContext
 from toolchord.worker.registry import Registry
@@ -537,6 +537,7 @@ def _spare_main(
         rehearsed = _rehearse_until_called(sock, read_paths, roots, zygote_pid)
         message, fds = _receive_call(sock)
         prepared: SpareLayers | None = None
+        ahead: ChildPlan | None = None
         confinement = None
         if not fds:
             # Layers to apply ahead of the call; the call itself comes next.
@@ -554,16 +555,15 @@ def _spare_main(
                     steps.append(("rehearsal", rehearsed))
                 for step, at in sorted(steps, key=lambda ended: ended[1]):
                     start_timings(step, at)
-            confinement = confine_ahead(
-                _plan(
-                    _REHEARSAL_TOOL,
-                    _SAMPLE.model_copy(update=dict(prepared)),
-                    (-1, -1, -1),
-                    read_paths,
-                    roots,
-                    zygote_pid,
-                )
+            ahead = _plan(
+                _REHEARSAL_TOOL,
+                _SAMPLE.model_copy(update=dict(prepared)),
+                (-1, -1, -1),
+                read_paths,
+                roots,
+                zygote_pid,
             )
+            confinement = confine_ahead(ahead)
             message, fds = _receive_call(sock)
         called = True
         received = step_end()
@@ -571,20 +571,16 @@ def _spare_main(
             raise OSError(f"the call came with {len(fds)} descriptors, not {CALL_FD_COUNT}")
         output_fd, result_fd, control_fd, payload_fd = fds
         raw = os.pread(payload_fd, os.fstat(payload_fd).st_size, 0)
-        if prepared is None:
-            payload = CallPayload.model_validate_json(raw)
+        call_fds = (output_fd, result_fd, control_fd)
+        payload: CallArguments
+        if ahead is None:
+            whole = payload = CallPayload.model_validate_json(raw)
+            plan = _plan(resolve(message), whole, call_fds, read_paths, roots, zygote_pid)
         else:
-            # The worker chose this spare for layers planned as the call's would be.
-            arguments = CallArguments.model_validate_json(raw)
-            payload = CallPayload.model_construct(**{**dict(prepared), **dict(arguments)})
-        plan = _plan(
-            resolve(message),
-            payload,
-            (output_fd, result_fd, control_fd),
-            read_paths,
-            roots,
-            zygote_pid,
-        )
+            # The worker chose this spare for layers planned as the call's would be: the plan it
+            # was confined with takes the call's own part (each step here is on the call's path).
+            payload = CallArguments.model_validate_json(raw)
+            plan = _with_call(ahead, resolve(message), payload, call_fds)
         if in_call_namespace or confinement is not None:
             # Its group is set up already (and seccomp, applied ahead, refuses setpgid).
             plan = replace(plan, process_group="inherited")
@@ -681,6 +677,37 @@ def _rehearse_until_called(
     return ended
 
 
+class _CallPart(TypedDict):
+    """The fields of a child's plan that come with the call, not with the spare's layers."""
+
+    spec: ToolSpec
+    args: str
+    context: ToolContext
+    timeout: float
+    output_fd: int
+    result_fd: int
+    control_fd: int
+    environment: dict[str, str]
+    timings: bool
+
+
+def _call_part(
+    spec: ToolSpec, profile: SandboxProfile, call: CallArguments, fds: tuple[int, int, int]
+) -> _CallPart:
+    output_fd, result_fd, control_fd = fds
+    return _CallPart(
+        spec=spec.model_copy(update={"sandbox": profile, "timeout": call.timeout}),
+        args=call.args_json,
+        context=call.context,
+        timeout=call.timeout,
+        output_fd=output_fd,
+        result_fd=result_fd,
+        control_fd=control_fd,
+        environment=call.environment,
+        timings=call.timings,
+    )
+
+
 def _plan(
     spec: ToolSpec,
     payload: CallPayload,
@@ -689,18 +716,9 @@ def _plan(
     roots: tuple[ImportRoot, ...],
     zygote_pid: int,
 ) -> ChildPlan:
-    output_fd, result_fd, control_fd = fds
     return ChildPlan(
-        spec=spec.model_copy(
-            update={"sandbox": payload.profile, "timeout": payload.timeout}
-        ),
-        args=payload.args_json,
-        context=payload.context,
-        timeout=payload.timeout,
+        **_call_part(spec, payload.profile, payload, fds),
         workdir=payload.workdir,
-        output_fd=output_fd,
-        result_fd=result_fd,
-        control_fd=control_fd,
         parent_pid=zygote_pid,
         drop_uid=payload.drop_uid,
         netns=payload.netns,
@@ -712,15 +730,21 @@ def _plan(
         else None,
         import_roots=roots if payload.drop_uid else (),
         required=payload.profile.required,
-        environment=payload.environment,
         cgroup_join=payload.cgroup_join,
         disk_quota=payload.disk_quota,
         hidden_paths=payload.hidden_paths,
         ipc_namespace=payload.ipc_namespace,
-        timings=payload.timings,
         # Already a group leader, in the zygote's session, which has no controlling terminal.
         process_group="own",
     )
+
+
+def _with_call(
+    ahead: ChildPlan, spec: ToolSpec, call: CallArguments, fds: tuple[int, int, int]
+) -> ChildPlan:
+    """The plan a spare was confined with (`_plan` of its layers), for the call that arrived: what
+    `_plan` of the whole payload would give, without planning the layers again."""
+    return replace(ahead, **_call_part(spec, ahead.profile, call, fds))
 
 
 def _echo(text: str, ctx: ToolContext) -> str:
