@@ -95,6 +95,7 @@ def call_facts(tag: str, ctx: ToolContext) -> dict[str, object]:
         "deadline": ctx.deadline,
         "value": os.environ.get("TOOLCHORD_TEST_CALL_VALUE"),
         "cpu_limit": resource.getrlimit(resource.RLIMIT_CPU)[0],
+        "pid": os.getpid(),
     }
 
 

@@ -110,17 +110,18 @@ def test_later_calls_run_on_spares_confined_ahead_with_every_layer() -> None:
 def test_a_spare_confined_ahead_runs_the_call_it_was_handed(monkeypatch: pytest.MonkeyPatch) -> None:
     # The spare's plan was made for its layers: the call's own part (arguments, context, timeout,
     # the worker's values of allowed variables) must be the call's, not the spare's or a former one's.
+    runner.report_setup_timings(True)
     monkeypatch.setenv("TOOLCHORD_TEST_CALL_VALUE", "first")
     first = tools.run(tools.call_facts, tag="one")
     assert first.status == "ok" and first.data is not None, first
-    wait_for_confined_spares(count=1)
+    wait_for_confined_spares(first.data["pid"])
     monkeypatch.setenv("TOOLCHORD_TEST_CALL_VALUE", "second")
     context = tools.make_context("second-call")
     spec = tools.call_facts
-    runner.report_setup_timings(True)
     outcome = runner.run_isolated(spec, spec.args_model(tag="two"), context, timeout=3.2)
     assert outcome.status == "ok" and outcome.data is not None, outcome
     assert "uid" in steps(outcome)[: steps(outcome).index("call received")], "not a spare confined ahead"
+    del outcome.data["pid"]
     assert outcome.data == {
         "tag": "two",
         "call_id": "call-second-call",

@@ -576,14 +576,13 @@ def _spare_main(
         if ahead is None:
             whole = payload = CallPayload.model_validate_json(raw)
             plan = _plan(resolve(message), whole, call_fds, read_paths, roots, zygote_pid)
+            if in_call_namespace:
+                plan = replace(plan, process_group="inherited")  # its init leads the group
         else:
             # The worker chose this spare for layers planned as the call's would be: the plan it
             # was confined with takes the call's own part (each step here is on the call's path).
             payload = CallArguments.model_validate_json(raw)
             plan = _with_call(ahead, resolve(message), payload, call_fds)
-        if in_call_namespace or confinement is not None:
-            # Its group is set up already (and seccomp, applied ahead, refuses setpgid).
-            plan = replace(plan, process_group="inherited")
         if payload.timings:
             if prepared is None and rehearsed is not None:
                 start_timings("rehearsal", rehearsed)
@@ -743,8 +742,9 @@ def _with_call(
     ahead: ChildPlan, spec: ToolSpec, call: CallArguments, fds: tuple[int, int, int]
 ) -> ChildPlan:
     """The plan a spare was confined with (`_plan` of its layers), for the call that arrived: what
-    `_plan` of the whole payload would give, without planning the layers again."""
-    return replace(ahead, **_call_part(spec, ahead.profile, call, fds))
+    `_plan` of the whole payload would give, without planning the layers again. Its process
+    group is set up already (and seccomp, applied ahead, refuses setpgid)."""
+    return replace(ahead, process_group="inherited", **_call_part(spec, ahead.profile, call, fds))
 
 
 def _echo(text: str, ctx: ToolContext) -> str:
