@@ -200,3 +200,29 @@ def test_with_a_cgroup_memfd_pages_count_against_the_call() -> None:
     # Past max_file_size_mb (64) the write fails with EFBIG; the cgroup (64 MiB) may kill it first.
     assert too_much.status in ("error", "crashed"), too_much
     assert too_much.error_type in ("OSError", "MemoryLimitExceeded"), too_much
+
+
+def test_secret_paths_named_by_several_settings_are_hidden_once_each(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from toolchord.worker.sandbox.disk import SECRET_DIRECTORIES, secret_directories
+
+    bundle, keys = tmp_path / "bundle", tmp_path / "keys"
+    for directory in (bundle, keys):
+        directory.mkdir()
+        (directory / "secret").write_text("s")
+    for name in [name for name in os.environ if name.endswith("_FILE")]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    # Two settings name one file, a third another directory's; a relative one is no path to hide.
+    monkeypatch.setenv("A_CA_FILE", str(bundle / "secret"))
+    monkeypatch.setenv("B_CA_FILE", str(bundle / "secret"))
+    monkeypatch.setenv("C_KEY_FILE", str(keys / "secret"))
+    monkeypatch.setenv("D_RELATIVE_FILE", "secret")
+    host = {os.path.realpath(path) for path in SECRET_DIRECTORIES}
+    hidden = [path for path in secret_directories(str(tmp_path / "workdir")) if path not in host]
+    assert hidden == [os.path.realpath(bundle), os.path.realpath(keys)]
+    # A setting whose directory holds the workdir has its file covered instead, once.
+    monkeypatch.setenv("E_KEY_FILE", str(keys / "secret"))
+    hidden = [path for path in secret_directories(str(keys / "workdir")) if path not in host]
+    assert hidden == [os.path.realpath(bundle), os.path.realpath(keys / "secret")]

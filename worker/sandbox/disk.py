@@ -43,11 +43,15 @@ def secret_directories(workdir: str) -> tuple[str, ...]:
     """Existing paths to hide from a call: SECRET_DIRECTORIES, `$CREDENTIALS_DIRECTORY` and the
     directory of every `*_FILE` variable of this process, except any that holds the workdir or
     the interpreter (hiding those would break the call): then the `*_FILE` file itself."""
-    secret_files = [
+    # Read again for every spare (a secret directory created later is hidden from the next call),
+    # each distinct path once: several `*_FILE` settings often name one file (a CA bundle).
+    secret_files = list(dict.fromkeys(
         value for name, value in os.environ.items() if name.endswith("_FILE") and os.path.isabs(value)
-    ]
-    candidates = [*SECRET_DIRECTORIES, os.environ.get("CREDENTIALS_DIRECTORY", "")]
-    candidates += [os.path.dirname(value) for value in secret_files]
+    ))
+    candidates = dict.fromkeys((
+        *SECRET_DIRECTORIES, os.environ.get("CREDENTIALS_DIRECTORY", ""),
+        *(os.path.dirname(value) for value in secret_files),
+    ))
     needed = [os.path.realpath(workdir), *_interpreter_paths()]
     found: list[str] = []
     for candidate in candidates:
