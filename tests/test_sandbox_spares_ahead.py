@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import pytest
 
 from tests import sandbox_tools as tools
 from toolchord.worker.execution import HandlerOutcome
-from toolchord.worker.sandbox import runner
+from toolchord.worker.sandbox import runner, zygote
 from toolchord.worker.sandbox.capabilities import probe
 from toolchord.worker.sandbox.child import SETUP_FAILED_STATUS, TIMINGS_PREFIX
 from toolchord.worker.sandbox.zygote import (
@@ -206,6 +207,49 @@ def test_a_call_s_replacement_spare_is_asked_for_when_the_call_is_over() -> None
     # Once the call is over, its spare is replaced and confined for the same profile.
     replaced = wait_for_confined_spares(first.data["pid"], *(spares - now[0]), count=SPARES)
     assert replaced > now[0], (now[0], replaced)
+
+
+def _preparer_frames() -> list[str]:
+    """The functions on the stack of the thread that confines spares (none while it is idle)."""
+    names: list[str] = []
+    for thread in threading.enumerate():
+        if thread.name.startswith("toolchord-spares") and thread.ident is not None:
+            frame = sys._current_frames().get(thread.ident)
+            while frame is not None:
+                names.append(frame.f_code.co_name)
+                frame = frame.f_back
+    return names
+
+
+def test_replacements_wait_for_a_quiet_moment_while_a_confined_spare_is_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A quiet moment that never comes: only a call leaving fewer confined spares lets them go.
+    monkeypatch.setattr(zygote, "REFILL_QUIET_SECONDS", 3600.0)
+    runner.report_setup_timings(True)
+    first = tools.run(tools.where_am_i)
+    assert first.status == "ok" and first.data is not None, first
+    ended = [first.data["pid"]]
+    wait_for_confined_spares(*ended, count=SPARES)
+    connection = zygote_client()._connection
+    assert connection is not None
+    second = tools.run(tools.where_am_i)
+    assert second.status == "ok" and second.data is not None, second
+    ended.append(second.data["pid"])
+    deadline = time.monotonic() + 30
+    while "_wait_for_quiet" not in _preparer_frames():
+        assert time.monotonic() < deadline, "the replacement did not wait for a quiet moment"
+        time.sleep(0.005)
+    with connection._spare_lock:
+        # Nothing asked of the zygote while it waits: the turn that used the spare has the CPU.
+        assert (len(connection._spares), connection._pending) == (SPARES - 1, 0)
+    # A call right after (a burst) finds a spare confined ahead, and leaving fewer than all but
+    # one confined ends the wait: the spares are replaced though the quiet moment never comes.
+    third = tools.run(tools.where_am_i)
+    assert third.status == "ok" and third.data is not None, third
+    assert "uid" in steps(third)[: steps(third).index("call received")], steps(third)
+    ended.append(third.data["pid"])
+    wait_for_confined_spares(*ended, count=SPARES)
 
 
 def test_stopping_a_zygote_wakes_the_thread_waiting_for_its_spares() -> None:

@@ -63,6 +63,12 @@ SPARES = 3
 """Spare children kept ready per zygote: calls back to back then take a spare confined ahead two
 calls earlier, never one still confining itself (its layers cost milliseconds of CPU) when the
 call arrives."""
+REFILL_QUIET_SECONDS = 0.03
+"""While all spares but one are on offer confined for the calls' profile, the one a call used up
+is replaced once no call has taken one for this long: forking and confining it right after the
+call competed with what was left of its turn (the stored result, the chord's callback, the
+orchestrator's wake-up) for the CPU (docs/benchmarks.md, "Replacement spares after a quiet
+moment")."""
 REAP_SECONDS = 5.0
 """Longest wait for the zygote to report a killed child's status."""
 DEATHS_ALLOWED = 3
@@ -135,6 +141,9 @@ class _Connection:
         self._spares: deque[_Spare] = deque()
         self._pending = 0
         self._spare_lock = threading.Lock()
+        # When a call last took a spare, and set when a refill must not wait for a quiet moment.
+        self._last_take = 0.0
+        self._refill_now = threading.Event()
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -144,6 +153,7 @@ class _Connection:
         # of the spare lock before the sockets are closed under it.
         if self.process.poll() is None:
             self.process.kill()
+        self._refill_now.set()
         try:
             # Wakes a thread waiting outside the lock for an offer (closing the socket would not).
             self.sock.shutdown(socket.SHUT_RDWR)
@@ -226,6 +236,9 @@ class _Connection:
                             # asks (`refill`), so that forking and confining the replacement
                             # do not compete with this call for the CPU.
                             self._replenish()
+                        self._last_take = time.monotonic()
+                        if self._confined_for(key) < SPARES - 1:
+                            self._refill_now.set()
                         return spare
                     # Forked before the tool's module was imported, or confined for a profile
                     # other than this call's.
@@ -240,13 +253,32 @@ class _Connection:
 
     def refill(self, key: bytes, prepare: Callable[[], Preparation]) -> None:
         """After a call: ask for the spares missing, then confine them (and any other spare on
-        offer) for calls of `key`."""
+        offer) for calls of `key`; while all but one are on offer confined for `key`, once no
+        call has taken one for REFILL_QUIET_SECONDS."""
+        self._wait_for_quiet(key)
         with self._spare_lock:
             try:
                 self._replenish()
             except _ZygoteLost:
                 return  # the next call finds out and starts a new zygote
         self.prepare_spares(key, prepare)
+
+    def _confined_for(self, key: bytes) -> int:
+        """How many spares on offer are confined for calls of `key` (under the spare lock)."""
+        return sum(spare.prepared is not None and spare.prepared.key == key for spare in self._spares)
+
+    def _wait_for_quiet(self, key: bytes) -> None:
+        """Until no call has taken a spare for REFILL_QUIET_SECONDS, while all but one of the
+        spares are on offer confined for `key`: a call that leaves fewer (calls back to back), or
+        the zygote's end, ends the wait, so that a burst of calls still finds spares confined."""
+        while True:
+            self._refill_now.clear()
+            with self._spare_lock:
+                if self._confined_for(key) < SPARES - 1:
+                    return
+                wait = self._last_take + REFILL_QUIET_SECONDS - time.monotonic()
+            if wait <= 0 or self._refill_now.wait(wait):
+                return
 
     def prepare_spares(self, key: bytes, prepare: Callable[[], Preparation]) -> None:
         """Send layers made by `prepare` to every spare that has none yet, those asked for and
